@@ -1,0 +1,277 @@
+"""Read byte ranges of checkpoint files into caller-provided buffers (DESIGN §5).
+
+The caller owns the memory (reusable staging buffers, pinned on CUDA); we only fill it. One file
+descriptor per file, opened lazily and kept until `close()`. Strategies:
+
+- plain:    `os.preadv` straight into the buffer; the kernel's readahead does the rest (local disks).
+- prefetch: plain, plus `posix_fadvise(WILLNEED)` for the range after each read and for explicit
+            `prefetch()` hints, so network file systems fetch the next bucket while we copy this one.
+- odirect:  `O_DIRECT` through an aligned bounce buffer, bypassing the page cache (no second copy of the
+            checkpoint in RAM); falls back to plain, with a warning, where the file system refuses it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+
+import psutil
+import torch
+
+from distload.errors import CheckpointError, DistloadError
+
+from .discover import resolve_inside
+from .legacy import LEGACY_SUFFIXES, LegacyFile, forget_legacy, is_legacy_file, open_legacy
+
+log = logging.getLogger("distload")
+
+STRATEGIES = ("plain", "prefetch", "odirect")
+# File systems where every read is a network round trip, so hinting ahead pays off.
+NETWORK_FS_PREFIXES = ("nfs", "lustre", "fuse", "ceph", "gpfs")
+# Prefetched pages live in the page cache; past half of free RAM they would evict each other (or the app).
+PREFETCH_RAM_FRACTION = 0.5
+_DIRECT_ALIGN = 4096  # covers 512-byte and 4 KiB logical block sizes
+_BOUNCE_BYTES = 8 * 1024 * 1024
+
+
+class RangeReader:
+    """Reads `[offset, offset + len(out))` of checkpoint files under `root` into `out`."""
+
+    def __init__(self, root: str, strategy: str = "plain"):
+        if strategy not in STRATEGIES:
+            raise DistloadError(f"unknown read strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        self.root = os.path.abspath(root)
+        self.strategy = strategy
+        self.bytes_read = 0
+        self.files_opened: set[str] = set()
+        self._fds: dict[str, int] = {}
+        self._direct: set[str] = set()  # files whose fd is open with O_DIRECT
+        self._legacy: dict[str, LegacyFile] = {}
+        self._lock = threading.Lock()
+        self._bounce = threading.local()  # one aligned buffer per reading thread
+
+    def read_into(self, entry_file: str, offset: int, out: memoryview | torch.Tensor) -> int:
+        """Fill `out` with exactly len(out) bytes of `entry_file` at `offset`; returns the count."""
+        view = _as_byte_view(out)
+        if is_legacy_file(entry_file):
+            count = self._legacy_file(entry_file).read_into(offset, view)
+        else:
+            fd = self._fd(entry_file)
+            if self.strategy == "prefetch":
+                self._advise_willneed(fd, offset + len(view), len(view))
+            if entry_file in self._direct:
+                count = self._read_direct(entry_file, fd, offset, view)
+            else:
+                count = _pread_exactly(fd, self.root, entry_file, offset, view)
+        with self._lock:
+            self.bytes_read += count
+        return count
+
+    def prefetch(self, entry_file: str, offset: int, nbytes: int) -> None:
+        """Ask the kernel to start fetching a range we will read soon (strategy "prefetch" only)."""
+        if self.strategy != "prefetch" or is_legacy_file(entry_file) or nbytes <= 0:
+            return
+        self._advise_willneed(self._fd(entry_file), offset, nbytes)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._direct.clear()
+            for rel in self._legacy:
+                forget_legacy(os.path.join(self.root, rel), rel)
+            self._legacy.clear()
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _path(self, rel: str) -> str:
+        # The index already checked its paths; checking again keeps a hand-built entry from escaping too.
+        return resolve_inside(self.root, rel, source=f"read of {rel!r}")
+
+    def _fd(self, rel: str) -> int:
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = self._open(rel)
+                self._fds[rel] = fd
+                self.files_opened.add(rel)
+            return fd
+
+    def _open(self, rel: str) -> int:
+        path = self._path(rel)
+        try:
+            if self.strategy == "odirect":
+                direct_flag = getattr(os, "O_DIRECT", None)
+                if direct_flag is None:
+                    log.warning("O_DIRECT is not available on this platform; reading %s with plain reads", rel)
+                else:
+                    try:
+                        fd = os.open(path, os.O_RDONLY | direct_flag)
+                        self._direct.add(rel)
+                        return fd
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise
+                        log.warning("file system refuses O_DIRECT for %s (%s); falling back to plain reads", rel, e)
+            return os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"{self.root}: cannot open {rel!r}: {e}") from e
+
+    def _legacy_file(self, rel: str) -> LegacyFile:
+        with self._lock:
+            legacy = self._legacy.get(rel)
+            if legacy is None:
+                legacy = open_legacy(self._path(rel), rel)
+                self._legacy[rel] = legacy
+                self.files_opened.add(rel)
+            return legacy
+
+    def _advise_willneed(self, fd: int, offset: int, nbytes: int) -> None:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
+    def _bounce_view(self) -> memoryview:
+        view = getattr(self._bounce, "view", None)
+        if view is None:
+            # Anonymous mmap memory is page aligned, which is what O_DIRECT requires of the buffer address.
+            view = self._bounce.view = memoryview(mmap.mmap(-1, _BOUNCE_BYTES))
+        return view
+
+    def _read_direct(self, rel: str, fd: int, offset: int, view: memoryview) -> int:
+        bounce = self._bounce_view()
+        wanted, done = len(view), 0
+        while done < wanted:
+            position = offset + done
+            aligned = position - position % _DIRECT_ALIGN
+            skip = position - aligned
+            length = min(_BOUNCE_BYTES, _round_up(skip + wanted - done, _DIRECT_ALIGN))
+            try:
+                got = os.preadv(fd, [bounce[:length]], aligned) - skip
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise CheckpointError(f"{self.root}: reading {rel!r} at offset {position} failed: {e}") from e
+                # Some file systems accept the O_DIRECT open but refuse the read itself.
+                log.warning("O_DIRECT read of %s refused (%s); falling back to plain reads", rel, e)
+                return done + self._reopen_plain(rel, fd, position, view[done:])
+            if got <= 0:
+                raise _early_eof(self.root, rel, offset, wanted, done)
+            take = min(got, wanted - done)
+            view[done : done + take] = bounce[skip : skip + take]
+            done += take
+        return wanted
+
+    def _reopen_plain(self, rel: str, old_fd: int, offset: int, view: memoryview) -> int:
+        with self._lock:
+            self._direct.discard(rel)
+            self._fds[rel] = os.open(self._path(rel), os.O_RDONLY)
+            os.close(old_fd)
+            fd = self._fds[rel]
+        return _pread_exactly(fd, self.root, rel, offset, view)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _early_eof(root: str, rel: str, offset: int, wanted: int, done: int) -> CheckpointError:
+    return CheckpointError(
+        f"{root}: {rel!r} ended after {done} of the {wanted} bytes requested at offset {offset} "
+        "(file truncated since its header was read?); re-download the file"
+    )
+
+
+def _pread_exactly(fd: int, root: str, rel: str, offset: int, view: memoryview) -> int:
+    wanted, done = len(view), 0
+    while done < wanted:  # preadv may return short counts (signals, network FS, the ~2 GiB per-call cap)
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise CheckpointError(f"{root}: reading {rel!r} at offset {offset + done} failed: {e}") from e
+        if got == 0:
+            raise _early_eof(root, rel, offset, wanted, done)
+        done += got
+    return wanted
+
+
+def _as_byte_view(out: memoryview | torch.Tensor) -> memoryview:
+    """A writable, flat byte view of the caller's buffer (no copy)."""
+    if isinstance(out, torch.Tensor):
+        if out.device.type != "cpu" or out.dtype != torch.uint8 or not out.is_contiguous():
+            raise TypeError(
+                f"out must be a contiguous uint8 CPU tensor, got {out.dtype} on {out.device} "
+                f"(contiguous={out.is_contiguous()})"
+            )
+        return memoryview(out.view(-1).numpy())
+    view = memoryview(out)
+    if view.readonly or not view.c_contiguous:
+        raise TypeError("out must be a writable, C-contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def choose_strategy(root: str | os.PathLike, checkpoint_bytes: int | None = None) -> tuple[str, str]:
+    """Pick a read strategy from the file system type of `root` and free RAM; returns (strategy, reason)."""
+    real = os.path.realpath(root)
+    fstype, mountpoint = _filesystem_of(real)
+    if checkpoint_bytes is None:
+        checkpoint_bytes = _weight_file_bytes(real)
+    available = psutil.virtual_memory().available
+    gib = 1024**3
+    where = f"{real} is on {fstype} (mounted at {mountpoint})"
+    if not fstype.startswith(NETWORK_FS_PREFIXES):
+        strategy, reason = "plain", f"{where}, a local file system: kernel readahead suffices"
+    elif checkpoint_bytes < PREFETCH_RAM_FRACTION * available:
+        strategy, reason = "prefetch", (
+            f"{where}, a network file system, and the checkpoint ({checkpoint_bytes / gib:.1f} GiB) is under "
+            f"{PREFETCH_RAM_FRACTION:.0%} of available RAM ({available / gib:.1f} GiB): prefetching with posix_fadvise"
+        )
+    else:
+        strategy, reason = "plain", (
+            f"{where}, a network file system, but the checkpoint ({checkpoint_bytes / gib:.1f} GiB) is not under "
+            f"{PREFETCH_RAM_FRACTION:.0%} of available RAM ({available / gib:.1f} GiB): prefetched pages would "
+            "evict each other, so plain reads"
+        )
+    log.info("read strategy %s: %s", strategy, reason)
+    return strategy, reason
+
+
+def _filesystem_of(path: str) -> tuple[str, str]:
+    # all=True: without it psutil hides "nodev" file systems, which is exactly what NFS and FUSE are.
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint
+        inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) > len(best.mountpoint)):
+            best = part
+    return (best.fstype.lower(), best.mountpoint) if best else ("unknown", "?")
+
+
+def _weight_file_bytes(directory: str) -> int:
+    try:
+        with os.scandir(directory) as it:
+            return sum(
+                e.stat().st_size for e in it if e.name.endswith((".safetensors", *LEGACY_SUFFIXES)) and e.is_file()
+            )
+    except OSError:
+        return 0
+
+
+def evict_from_page_cache(path: str | os.PathLike) -> None:
+    """Drop a file's cached pages so the next read comes from storage (cold-cache benchmarks)."""
+    if not hasattr(os, "posix_fadvise"):
+        log.warning("posix_fadvise is not available; cannot evict %s from the page cache", path)
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,87 @@
+"""Named templates for tensor names: `model.layers.{layer}.mlp.down_proj.weight`.
+
+Rules name their variables (`{layer}`, `{expert}`) instead of rewriting numbers by position, so a rule
+reads like the tensor name it stands for, and error messages can collapse long name lists back into
+templates (`model.layers.{0..31}.mlp.down_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from functools import lru_cache
+
+_VAR = re.compile(r"\{(\w+)\}")
+
+
+def variables(template: str) -> tuple[str, ...]:
+    """The variable names of a template, in order of appearance."""
+    return tuple(_VAR.findall(template))
+
+
+def expand(template: str, **values: int) -> str:
+    """Fill a template's variables: expand('a.{layer}.b', layer=3) -> 'a.3.b'."""
+    def sub(m: re.Match) -> str:
+        if m.group(1) not in values:
+            raise KeyError(f"template {template!r} needs a value for {{{m.group(1)}}}")
+        return str(values[m.group(1)])
+    return _VAR.sub(sub, template)
+
+
+@lru_cache(maxsize=4096)
+def _pattern(template: str) -> re.Pattern:
+    out, pos = [], 0
+    for m in _VAR.finditer(template):
+        out.append(re.escape(template[pos:m.start()]))
+        out.append(f"(?P<{m.group(1)}>0|[1-9][0-9]*)")
+        pos = m.end()
+    out.append(re.escape(template[pos:]))
+    return re.compile("".join(out))
+
+
+def match(template: str, name: str) -> dict[str, int] | None:
+    """The variable values that make `template` equal `name`, or None."""
+    m = _pattern(template).fullmatch(name)
+    return None if m is None else {k: int(v) for k, v in m.groupdict().items()}
+
+
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _ranges(numbers: list[int]) -> str:
+    numbers = sorted(set(numbers))
+    runs, start, prev = [], numbers[0], numbers[0]
+    for n in numbers[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        runs.append(str(start) if start == prev else f"{start}..{prev}")
+        if n is not None:
+            start = prev = n
+    return runs[0] if len(runs) == 1 and ".." not in runs[0] and len(numbers) == 1 else "{" + ",".join(runs) + "}"
+
+
+def collapse(names) -> list[str]:
+    """Sorted names with numbered components folded: ['a.{0..31}.b', 'c']; for error messages."""
+    groups: dict[str, list[list[int]]] = defaultdict(list)
+    for name in names:
+        numbers = [int(x) for x in _NUMBER.findall(name)]
+        groups[_NUMBER.sub("#", name)].append(numbers)
+    out = []
+    for shape, members in groups.items():
+        if len(members) == 1:
+            it = iter(members[0])
+            out.append(re.sub("#", lambda _: str(next(it)), shape))
+            continue
+        # Fold each numbered position independently when the others vary over the same sets.
+        columns = list(zip(*members))
+        it = iter(columns)
+        out.append(re.sub("#", lambda _: _ranges(list(next(it))), shape))
+    return sorted(out)
+
+
+def describe(names, limit: int = 12) -> str:
+    """Quoted, collapsed, sorted name list for a message; long lists are cut with a count."""
+    folded = collapse(names)
+    shown = ", ".join(repr(n) for n in folded[:limit])
+    return shown + (f", ... ({len(folded) - limit} more)" if len(folded) > limit else "")

@@ -1,0 +1,503 @@
+"""The load plan: a pure function (checkpoint index, rules, config, layout) -> LoadPlan.
+
+Every rank computes the same plan from the same metadata, so no per-tensor control message ever
+travels: a receiver knows from the plan which bytes arrive, in which order, and where they go. All
+validation (names, shapes, dtypes, divisibility) happens here, before any byte is read.
+
+Vocabulary: a *source* is a checkpoint tensor; a *param* is a target tensor in the serving layout; a
+*delivery* is one rectangle of a source (2-D view) that one rank copies into one of its params; a
+*chunk* is a row range of a source (the unit of reading, so a huge embedding never needs a staging
+buffer of its own size); a *bucket* is a run of chunks read by one reader and sent as one collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from . import names
+from .dtypes import itemsize
+from .errors import PlanError, RuleError
+from .rules import FamilyRules, ParamRule
+from .shard import LocalLayout, Part, Piece, cut, view2d
+from .topology import Layout
+
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One param as one rank holds it."""
+    name: str
+    style: str
+    dtype: str                                   # safetensors dtype name
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    padding: tuple[tuple[int, int, int, int], ...] = ()   # zero regions of the local 2-D view
+    alias_of: str | None = None                  # tied: same tensor object as that param
+    experts: tuple[int, ...] = ()                # expert params: global expert id of each local slot
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.local_shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    rank: int
+    param: str
+    piece: Piece
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint tensor that is read, and where its pieces go."""
+    name: str
+    file: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    deliveries: tuple[Delivery, ...]
+    broadcast: bool                              # every rank receives the whole tensor
+
+    @property
+    def rows(self) -> int:
+        return view2d(self.shape)[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return view2d(self.shape)[1] * itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class Chunk:
+    source: str
+    rows: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    reader: int
+    broadcast: bool
+    chunks: tuple[Chunk, ...]
+    read_bytes: int
+    recv_bytes: tuple[int, ...]                  # per rank (the reader's own share is copied locally)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One clipped delivery inside a bucket, at `offset` of the wire buffer of its rank."""
+    chunk: Chunk
+    param: str
+    piece: Piece                                 # rows already clipped to the chunk
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    family: str
+    layout: Layout
+    specs: tuple[dict[str, ParamSpec], ...]      # per rank
+    sources: dict[str, Source]
+    buckets: tuple[Bucket, ...]
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()                # dropped by rule or by a tie (e.g. rotary inv_freq)
+    checkpoint_bytes: int = 0
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def items(self, bucket: Bucket, rank: int) -> list[Item]:
+        """What `rank` receives from `bucket`, in wire order (identical computation on every rank)."""
+        out, offset = [], 0
+        for chunk in bucket.chunks:
+            src = self.sources[chunk.source]
+            for d in src.deliveries:
+                if d.rank != rank:
+                    continue
+                piece = clip(d.piece, chunk.rows)
+                if piece is None:
+                    continue
+                if bucket.broadcast:
+                    # The broadcast buffer is the chunks' raw bytes; the item points into it.
+                    nbytes = (chunk.rows[1] - chunk.rows[0]) * src.row_bytes
+                    out.append(Item(chunk, d.param, piece, broadcast_offset(self, bucket, chunk), nbytes))
+                    continue
+                nbytes = piece.numel * itemsize(src.dtype)
+                out.append(Item(chunk, d.param, piece, offset, nbytes))
+                offset += nbytes
+        return out
+
+
+def clip(piece: Piece, rows: tuple[int, int]) -> Piece | None:
+    a, b = max(piece.rows[0], rows[0]), min(piece.rows[1], rows[1])
+    if a >= b:
+        return None
+    return Piece(piece.source, (a, b), piece.cols, piece.dst_row + a - piece.rows[0], piece.dst_col)
+
+
+def broadcast_offset(plan: LoadPlan, bucket: Bucket, chunk: Chunk) -> int:
+    offset = 0
+    for c in bucket.chunks:
+        if c == chunk:
+            return offset
+        offset += (c.rows[1] - c.rows[0]) * plan.sources[c.source].row_bytes
+    raise KeyError(chunk)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Experts: who hosts what
+
+
+def expert_hosts(num_experts: int, layout: Layout) -> list[tuple[int, ...]]:
+    """Per rank, the global expert ids it hosts, ascending (EPLB maps may repeat an id across ranks)."""
+    if layout.expert_map is not None:
+        emap = layout.expert_map
+        if len(emap) != layout.world:
+            raise PlanError(f"--expert-map has {len(emap)} rank entries; the world size is {layout.world}")
+        bad = sorted({e for ids in emap for e in ids if not 0 <= e < num_experts})
+        if bad:
+            raise PlanError(f"--expert-map names experts {bad} outside 0..{num_experts - 1}")
+        unhosted = sorted(set(range(num_experts)) - {e for ids in emap for e in ids})
+        if unhosted:
+            raise PlanError(f"--expert-map hosts no rank for experts {unhosted}; every expert needs a host")
+        g = layout.expert_group_size
+        for r in range(layout.world):
+            if sorted(emap[r]) != sorted(emap[r - r % g]):
+                raise PlanError(f"--expert-map: ranks {r - r % g} and {r} are in one expert group (size {g}, "
+                                f"ep={layout.ep}) and split its experts by TP, so they must host the same ids")
+            if len(set(emap[r])) != len(emap[r]):
+                raise PlanError(f"--expert-map: rank {r} lists an expert twice: {list(emap[r])}")
+        return [tuple(sorted(ids)) for ids in emap]
+    if num_experts % layout.ep:
+        ok = [e for e in range(1, layout.world + 1) if layout.world % e == 0 and num_experts % e == 0]
+        raise PlanError(f"num_experts={num_experts}, ep={layout.ep}: ep must divide the number of experts "
+                        f"(try --ep {', '.join(map(str, ok))})")
+    per = num_experts // layout.ep
+    hosts = []
+    for r in range(layout.world):
+        k = layout.ep_rank(r)
+        if layout.expert_placement == "linear":
+            hosts.append(tuple(range(k * per, (k + 1) * per)))
+        else:
+            hosts.append(tuple(e for e in range(num_experts) if e % layout.ep == k))
+    return hosts
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rules -> targets
+
+
+@dataclass(frozen=True)
+class Target:
+    """One expanded param: its name and, per logical part, the source it comes from."""
+    name: str
+    rule: ParamRule
+    sources: tuple[str, ...]            # distinct source names (fused: one)
+    expert_sources: tuple[tuple[str, ...], ...] = ()   # style expert: per global expert, its sources
+
+
+def _loop_ranges(rules: FamilyRules, config: dict) -> dict[str, range]:
+    return {var: range(rules.dim(config, dim)) for var, dim in rules.loops.items()}
+
+
+def _expand_all(template: str, ranges: dict[str, range], fixed: dict[str, int] | None = None) -> list[tuple[dict, str]]:
+    fixed = fixed or {}
+    free = [v for v in names.variables(template) if v not in fixed]
+    out = []
+    for combo in itertools.product(*(ranges[v] for v in free)):
+        values = {**fixed, **dict(zip(free, combo))}
+        out.append((values, names.expand(template, **values)))
+    return out
+
+
+def _targets(rules: FamilyRules, config: dict, ranges: dict[str, range]) -> tuple[list[Target], dict[str, str]]:
+    """Expanded targets, and the tied targets {alias: param it aliases} active for this config."""
+    tied = {t.target: t.to for t in rules.ties if config.get(t.when)}
+    targets = []
+    for rule in rules.params:
+        for values, name in _expand_all(rule.target, ranges):
+            if name in tied:
+                continue
+            if rule.style == "expert" and not rule.stacked:
+                per_expert = tuple(tuple(names.expand(p, **values, expert=e) for p in rule.parts)
+                                   for e in ranges["expert"])
+                targets.append(Target(name, rule, tuple(s for ss in per_expert for s in ss), per_expert))
+            else:
+                targets.append(Target(name, rule, tuple(names.expand(p, **values) for p in rule.parts)))
+    return targets, tied
+
+
+# ----------------------------------------------------------------------------------------------------
+# Target -> logical parts with sizes checked against config.json
+
+
+def _logical_parts(target: Target, sources: list[str], index: dict, rules: FamilyRules, config: dict,
+                   row0: int = 0, rows: int | None = None) -> list[Part]:
+    """The logical parts of one target (or of one expert of it), sizes checked against config.json."""
+    rule = target.rule
+    style = rule.inner if rule.style == "expert" else rule.style
+    entries = [index[s] for s in sources]
+    shapes = [view2d(e.shape) for e in entries]
+    where = f"{target.name} (rule {rule.style} in {rules.source})"
+    if len({e.dtype for e in entries}) > 1:
+        raise PlanError(f"{where}: parts have different dtypes "
+                        + ", ".join(f"{e.name}={e.dtype}" for e in entries) + "; re-save the checkpoint with one dtype")
+    if len({c for _, c in shapes}) > 1:
+        raise PlanError(f"{where}: parts have different last dims "
+                        + ", ".join(f"{e.name}{list(e.shape)}" for e in entries) + "; the checkpoint contradicts itself")
+    cols = shapes[0][1]
+    if rows is not None:  # one expert of a stacked source
+        (src,) = sources
+        if rule.split:
+            sizes = [rules.dim(config, d) for d in rule.split]
+        else:
+            sizes = [rows]
+        if sum(sizes) != rows:
+            raise PlanError(f"{where}: split {list(rule.split)} = {sizes} does not add up to {rows} rows per expert of {src}")
+        parts, at = [], row0
+        for n in sizes:
+            parts.append(Part(src, at, n, cols))
+            at += n
+        return parts
+    if style == "qkv":
+        heads, kv = rules.dim(config, "heads"), rules.dim(config, "kv_heads")
+        head_dim = rules.dim(config, "head_dim")
+        want = [heads * head_dim, kv * head_dim, kv * head_dim]
+        if len(sources) == 1:
+            total = shapes[0][0]
+            if total != sum(want):
+                raise PlanError(f"{where}: {sources[0]} has {total} rows but config.json says "
+                                f"(num_attention_heads {heads} + 2 x num_key_value_heads {kv}) x head_dim {head_dim} = "
+                                f"{sum(want)}; config.json and the checkpoint disagree")
+            return [Part(sources[0], sum(want[:i]), want[i], cols) for i in range(3)]
+        if len(sources) != 3:
+            raise RuleError(f"{where}: style qkv needs 3 parts (q, k, v) or one fused source, got {len(sources)}")
+        for s, (r, _), w, label in zip(sources, shapes, want, ("num_attention_heads", "num_key_value_heads", "num_key_value_heads")):
+            if r != w:
+                raise PlanError(f"{where}: {s} has {r} rows but config.json says {label} x head_dim = {w}; "
+                                f"config.json and the checkpoint disagree")
+        return [Part(s, 0, r, cols) for s, (r, _) in zip(sources, shapes)]
+    if len(sources) == 1 and rule.split:
+        sizes = [rules.dim(config, d) for d in rule.split]
+        if sum(sizes) != shapes[0][0]:
+            raise PlanError(f"{where}: {sources[0]} has {shapes[0][0]} rows but split {list(rule.split)} = {sizes} "
+                            f"adds up to {sum(sizes)}; config.json and the checkpoint disagree")
+        return [Part(sources[0], sum(sizes[:i]), n, cols) for i, n in enumerate(sizes)]
+    return [Part(s, 0, r, cols) for s, (r, _) in zip(sources, shapes)]
+
+
+def _check_vocab(target: Target, parts: list[Part], index, rules: FamilyRules, config: dict) -> None:
+    if "vocab" in rules.dims:
+        vocab = rules.dim(config, "vocab")
+        if parts[0].rows != vocab:
+            raise PlanError(f"{target.name} (rule vocab): {parts[0].source} has {parts[0].rows} rows but "
+                            f"config.json vocab_size={vocab}; config.json and the checkpoint disagree")
+
+
+def _local_shape(style: str, global_shape: tuple[int, ...], lay: LocalLayout) -> tuple[int, ...]:
+    if style == "replicate":
+        return global_shape
+    if style == "row":
+        return tuple(global_shape[:-1]) + (lay.cols,) if len(global_shape) > 1 else global_shape
+    return (lay.rows,) + tuple(global_shape[1:])
+
+
+def _effective_style(style: str, ndim: int) -> str:
+    # The 1-D bias of a row-parallel layer is replicated: every rank holds it, and the forward adds it
+    # once after the all-reduce (vLLM does the same).
+    return "replicate" if style == "row" and ndim < 2 else style
+
+
+def _layouts_for_target(target, index, rules, config, layout: Layout, hosts) -> tuple[list[ParamSpec], list[LocalLayout]]:
+    rule = target.rule
+    entries = [index[s] for s in target.sources]
+    dtype = entries[0].dtype
+    sizes = {}
+    if (rule.inner or rule.style) == "qkv":
+        sizes = dict(heads=rules.dim(config, "heads"), kv_heads=rules.dim(config, "kv_heads"))
+    if rule.style != "expert":
+        parts = _logical_parts(target, list(target.sources), index, rules, config)
+        if rule.style == "vocab":
+            _check_vocab(target, parts, index, rules, config)
+        style = _effective_style(rule.style, len(entries[0].shape))
+        shape0 = entries[0].shape
+        global_shape = (sum(p.rows for p in parts),) + tuple(shape0[1:]) if len(parts) > 1 or rule.split else shape0
+        if style == "qkv" and len(entries) == 1:
+            global_shape = shape0
+        specs, lays = [], []
+        for r in range(layout.world):
+            lay = cut(style, parts, layout.tp, layout.tp_rank(r), f"{target.name} (rule {rule.style})",
+                      pad_to=rule.pad_to, **sizes)
+            lays.append(lay)
+            specs.append(ParamSpec(target.name, rule.style, dtype, tuple(global_shape),
+                                   _local_shape(style, tuple(global_shape), lay), lay.padding))
+        return specs, lays
+    # Expert params: [local experts, *inner local shape], slots in ascending global id.
+    g = layout.expert_group_size
+    inner = _effective_style(rule.inner, len(entries[0].shape) - (1 if rule.stacked else 0))
+    num_experts = len(hosts[0]) and max(max(h) for h in hosts if h) + 1
+    per_expert_parts = {}
+    for e in sorted({e for h in hosts for e in h}):
+        if rule.stacked:
+            (src,) = target.sources
+            shape = index[src].shape
+            rows_per = view2d(shape)[0] // shape[0]
+            per_expert_parts[e] = _logical_parts(target, [src], index, rules, config, row0=e * rows_per, rows=rows_per)
+        else:
+            per_expert_parts[e] = _logical_parts(target, list(target.expert_sources[e]), index, rules, config)
+    first = per_expert_parts[min(per_expert_parts)]
+    inner_global = (sum(p.rows for p in first),) + (entries[0].shape[-1],) if len(entries[0].shape) >= 2 else (first[0].rows,)
+    global_shape = (num_experts,) + inner_global
+    specs, lays = [], []
+    for r in range(layout.world):
+        pieces, rows, cols = [], 0, 0
+        padding = ()
+        for slot, e in enumerate(hosts[r]):
+            lay = cut(inner, per_expert_parts[e], g, layout.rank_in_expert_group(r),
+                      f"{target.name} expert {e} (rule expert/{rule.inner})", label="tp-in-expert-group", **sizes)
+            pieces += [Piece(p.source, p.rows, p.cols, p.dst_row + slot * lay.rows, p.dst_col) for p in lay.pieces]
+            rows, cols = lay.rows, lay.cols
+        inner_local = _local_shape(inner, inner_global, LocalLayout(rows, cols, ()))
+        local_shape = (len(hosts[r]),) + inner_local
+        lays.append(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding))
+        specs.append(ParamSpec(target.name, "expert", dtype, global_shape, local_shape, (), None, hosts[r]))
+    return specs, lays
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan
+
+
+def _reader_runs(sources: list[Source], readers: tuple[int, ...]) -> dict[int, list[Source]]:
+    """Split the file-ordered sources into contiguous runs of about equal bytes, one per reader.
+
+    Contiguous runs keep each reader's reads sequential inside a file; a big file is split at a tensor
+    boundary when that balances better.
+    """
+    total = sum(s.nbytes for s in sources)
+    runs = {r: [] for r in readers}
+    target_per_reader = total / len(readers)
+    i, acc = 0, 0
+    for s in sources:
+        while i < len(readers) - 1 and acc >= target_per_reader * (i + 1):
+            i += 1
+        runs[readers[i]].append(s)
+        acc += s.nbytes
+    return runs
+
+
+def _buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: int) -> list[tuple]:
+    """Chunk and bucket one reader's sources; returns (broadcast, chunks, read_bytes, recv_bytes) tuples."""
+    out = []
+    cur, cur_read, cur_send, cur_bcast, cur_recv = [], 0, 0, None, [0] * world
+
+    def flush():
+        nonlocal cur, cur_read, cur_send, cur_recv
+        if cur:
+            out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_recv)))
+        cur, cur_read, cur_send, cur_recv = [], 0, 0, [0] * world
+
+    for s in sources:
+        per_chunk = max(1, staging_bytes // max(1, s.row_bytes))
+        for a in range(0, max(s.rows, 1), per_chunk):
+            chunk = Chunk(s.name, (a, min(a + per_chunk, s.rows)))
+            read = (chunk.rows[1] - chunk.rows[0]) * s.row_bytes
+            recv = [0] * world
+            for d in s.deliveries:
+                piece = clip(d.piece, chunk.rows)
+                if piece is not None:
+                    recv[d.rank] += read if s.broadcast else piece.numel * itemsize(s.dtype)
+            send = sum(recv) - recv[reader]
+            if cur and (cur_bcast != s.broadcast or cur_read + read > staging_bytes
+                        or (not s.broadcast and cur_send + send > staging_bytes)):
+                flush()
+            cur_bcast = s.broadcast
+            cur.append(chunk)
+            cur_read += read
+            cur_send += send
+            cur_recv = [x + y for x, y in zip(cur_recv, recv)]
+    flush()
+    return out
+
+
+def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
+               strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadPlan:
+    """Plan the whole load. `tensors` maps checkpoint names to entries (file, offset, dtype, shape, nbytes)."""
+    ranges = _loop_ranges(rules, config)
+    targets, tied = _targets(rules, config, ranges)
+    claimed: dict[str, str] = {}
+    for t in targets:
+        for s in t.sources:
+            if s in claimed:
+                raise RuleError(f"{rules.source}: checkpoint tensor {s!r} is claimed by both {claimed[s]!r} and {t.name!r}")
+            claimed[s] = t.name
+    # Sources of a tied alias that the checkpoint still carries are read by nobody: the alias is the embedding.
+    tied_sources = set()
+    for alias in tied:
+        for rule in rules.params:
+            if rule.target == alias:
+                tied_sources.update(rule.parts)
+    dropped = {n for n in tensors if any(names.match(t, n) is not None for t in rules.drop)}
+    ignored = sorted(dropped | (tied_sources & set(tensors)))
+    missing_by_target = {t.name: [s for s in t.sources if s not in tensors] for t in targets}
+    missing = sorted(s for ss in missing_by_target.values() for s in ss)
+    unexpected = sorted(set(tensors) - set(claimed) - set(ignored))
+    if strict and (missing or unexpected):
+        msg = [f"checkpoint does not match rules {rules.source} (family {rules.name})"]
+        if missing:
+            msg.append(f"missing {len(missing)} tensor(s): {names.describe(missing)}")
+        if unexpected:
+            msg.append(f"unexpected {len(unexpected)} tensor(s): {names.describe(unexpected)}")
+        msg.append("fix: use the rules file for this architecture (--config PATH), or pass --no-strict to load what matches")
+        raise PlanError("; ".join(msg))
+    targets = [t for t in targets if not missing_by_target[t.name]]
+
+    hosts = None
+    if any(t.rule.style == "expert" for t in targets):
+        hosts = expert_hosts(rules.dim(config, "experts"), layout)
+
+    specs: list[dict[str, ParamSpec]] = [dict() for _ in range(layout.world)]
+    deliveries: dict[str, list[Delivery]] = {}
+    for t in targets:
+        t_specs, lays = _layouts_for_target(t, tensors, rules, config, layout, hosts)
+        for r, (spec, lay) in enumerate(zip(t_specs, lays)):
+            specs[r][t.name] = spec
+            for piece in lay.pieces:
+                deliveries.setdefault(piece.source, []).append(Delivery(r, t.name, piece))
+    for alias, to in tied.items():
+        for r in range(layout.world):
+            if to in specs[r]:
+                base = specs[r][to]
+                specs[r][alias] = ParamSpec(alias, base.style, base.dtype, base.global_shape, base.local_shape,
+                                            base.padding, alias_of=to)
+
+    sources = []
+    for name in sorted(deliveries, key=lambda n: (tensors[n].file, tensors[n].offset)):
+        e = tensors[name]
+        ds = tuple(deliveries[name])
+        rows, cols = view2d(e.shape)
+        full = {d.rank for d in ds if d.piece.rows == (0, rows) and d.piece.cols == (0, cols)}
+        broadcast = len(ds) == layout.world and full == set(range(layout.world))
+        sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ds, broadcast))
+    runs = _reader_runs(sources, layout.readers)
+    per_reader = {r: _buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers}
+    # Interleave readers' buckets so that every reader has work in flight at the same time.
+    buckets = []
+    for group in itertools.zip_longest(*(per_reader[r] for r in layout.readers)):
+        for reader, b in zip(layout.readers, group):
+            if b is not None:
+                bcast, chunks, read, recv = b
+                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, recv))
+    notes = []
+    if ignored:
+        notes.append(f"ignored by rule: {names.describe(ignored)}")
+    return LoadPlan(family=rules.name, layout=layout, specs=tuple(specs), sources={s.name: s for s in sources},
+                    buckets=tuple(buckets), missing=tuple(missing), unexpected=tuple(unexpected),
+                    ignored=tuple(ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes))

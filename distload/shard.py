@@ -1,0 +1,171 @@
+"""Pure shard math: a style + part sizes + (group size p, rank r) -> the regions rank r holds.
+
+No I/O, no process group: every rule is testable in microseconds. Every tensor is seen through its
+2-D view [prod(shape[:-1]), shape[-1]] (1-D [n] as [n, 1]), so every style is a set of rectangles:
+rows of dim 0 (`column`, `vocab`, `merged`, `qkv`) or columns of the last dim (`row`).
+
+    style      rank r of p holds                                  (DESIGN §4.1)
+    replicate  the whole tensor
+    column     rows [r*n/p, (r+1)*n/p)
+    row        columns [r*n/p, (r+1)*n/p)
+    vocab      rows of block r after zero-padding n to a multiple of lcm(pad_to, p)
+    merged     each part cut like column, concatenated in part order
+    qkv        q by heads (H/p each); k, v by kv heads, or kv head r // (p/Hkv) when p > Hkv
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class Part:
+    """A logical part: rows [row0, row0 + rows) of a source tensor's 2-D view (a fused source has several)."""
+    source: str
+    row0: int
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Copy source rows x cols (2-D view) to the destination's 2-D view at (dst_row, dst_col)."""
+    source: str
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    dst_row: int
+    dst_col: int
+
+    @property
+    def numel(self) -> int:
+        return (self.rows[1] - self.rows[0]) * (self.cols[1] - self.cols[0])
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """What one rank holds of one param: its 2-D size, the pieces that fill it, and zero padding."""
+    rows: int
+    cols: int
+    pieces: tuple[Piece, ...]
+    padding: tuple[tuple[int, int, int, int], ...] = ()   # (row0, row1, col0, col1) regions left zero
+
+
+def view2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view every style works on: [prod(shape[:-1]), shape[-1]]; 1-D [n] -> [n, 1]."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def valid_group_sizes(ok, upto: int = 64) -> list[int]:
+    """The group sizes in 1..upto that satisfy `ok`, for 'try tp ...' hints."""
+    return [p for p in range(1, upto + 1) if ok(p)]
+
+
+def _divides_hint(n: int, what: str, label: str, p: int, dim_desc: str) -> PlanError:
+    sizes = valid_group_sizes(lambda q: n % q == 0, upto=max(8, min(n, 64)))
+    return PlanError(f"{what}: {dim_desc}={n}, {label}={p}: {label} must divide {n} "
+                     f"(try {label} {', '.join(map(str, sizes))})")
+
+
+def _rows_block(part: Part, p: int, r: int, what: str, label: str) -> tuple[int, int]:
+    if part.rows % p:
+        raise _divides_hint(part.rows, what, label, p, f"rows of {part.source}")
+    n = part.rows // p
+    return part.row0 + r * n, part.row0 + (r + 1) * n
+
+
+def _whole(part: Part, dst_row: int = 0) -> Piece:
+    return Piece(part.source, (part.row0, part.row0 + part.rows), (0, part.cols), dst_row, 0)
+
+
+def _stack_rows(blocks: list[tuple[Part, tuple[int, int]]]) -> LocalLayout:
+    pieces, dst = [], 0
+    for part, (a, b) in blocks:
+        pieces.append(Piece(part.source, (a, b), (0, part.cols), dst, 0))
+        dst += b - a
+    return LocalLayout(rows=dst, cols=blocks[0][0].cols, pieces=tuple(pieces))
+
+
+def cut_replicate(parts, p, r, what, label="tp", **_) -> LocalLayout:
+    (part,) = parts
+    return LocalLayout(part.rows, part.cols, (_whole(part),))
+
+
+def cut_column(parts, p, r, what, label="tp", **_) -> LocalLayout:
+    (part,) = parts
+    return _stack_rows([(part, _rows_block(part, p, r, what, label))])
+
+
+def cut_merged(parts, p, r, what, label="tp", **_) -> LocalLayout:
+    return _stack_rows([(part, _rows_block(part, p, r, what, label)) for part in parts])
+
+
+def cut_row(parts, p, r, what, label="tp", **_) -> LocalLayout:
+    (part,) = parts
+    if part.cols % p:
+        raise _divides_hint(part.cols, what, label, p, f"columns of {part.source}")
+    n = part.cols // p
+    piece = Piece(part.source, (part.row0, part.row0 + part.rows), (r * n, (r + 1) * n), 0, 0)
+    return LocalLayout(part.rows, n, (piece,))
+
+
+def padded_vocab(vocab: int, p: int, pad_to: int) -> int:
+    multiple = math.lcm(pad_to, p)
+    return -(-vocab // multiple) * multiple
+
+
+def cut_vocab(parts, p, r, what, label="tp", pad_to=64, **_) -> LocalLayout:
+    (part,) = parts
+    block = padded_vocab(part.rows, p, pad_to) // p
+    start, stop = r * block, (r + 1) * block
+    real_stop = min(stop, part.rows)
+    pieces = ()
+    if real_stop > start:
+        pieces = (Piece(part.source, (part.row0 + start, part.row0 + real_stop), (0, part.cols), 0, 0),)
+    first_pad = max(real_stop, start) - start
+    padding = ((first_pad, block, 0, part.cols),) if first_pad < block else ()
+    return LocalLayout(block, part.cols, pieces, padding)
+
+
+def qkv_valid(heads: int, kv_heads: int, p: int) -> bool:
+    return heads % p == 0 and (kv_heads % p == 0 or p % kv_heads == 0)
+
+
+def cut_qkv(parts, p, r, what, label="tp", heads=None, kv_heads=None, **_) -> LocalLayout:
+    q, k, v = parts
+    if not qkv_valid(heads, kv_heads, p):
+        sizes = valid_group_sizes(lambda x: qkv_valid(heads, kv_heads, x), upto=max(8, min(64, 2 * heads)))
+        raise PlanError(f"{what}: num_attention_heads={heads}, num_key_value_heads={kv_heads}, {label}={p}: "
+                        f"{label} must divide {heads} and divide {kv_heads} or be a multiple of it "
+                        f"(try {label} {', '.join(map(str, sizes))})")
+    head_dim = q.rows // heads
+    q_rows = (q.row0 + r * (heads // p) * head_dim, q.row0 + (r + 1) * (heads // p) * head_dim)
+    if p <= kv_heads:
+        per = kv_heads // p
+        first, count = r * per, per
+    else:  # more ranks than kv heads: kv head r // (p / Hkv) is replicated on p / Hkv ranks
+        first, count = r // (p // kv_heads), 1
+    k_rows = (k.row0 + first * head_dim, k.row0 + (first + count) * head_dim)
+    v_rows = (v.row0 + first * head_dim, v.row0 + (first + count) * head_dim)
+    return _stack_rows([(q, q_rows), (k, k_rows), (v, v_rows)])
+
+
+CUTS = {
+    "replicate": cut_replicate,
+    "column": cut_column,
+    "row": cut_row,
+    "vocab": cut_vocab,
+    "merged": cut_merged,
+    "qkv": cut_qkv,
+}
+
+
+def cut(style: str, parts: list[Part], p: int, r: int, what: str, label: str = "tp", **sizes) -> LocalLayout:
+    """The local layout of rank r (of p) for one param; PlanError names `what`, the numbers and the fix."""
+    return CUTS[style](parts, p, r, what, label=label, **sizes)

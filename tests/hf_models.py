@@ -1,0 +1,75 @@
+"""Tiny random Hugging Face models, built offline from a config, saved as real multi-file checkpoints.
+
+These are the reference for correctness: distload must lay out exactly what `transformers` saved.
+Sizes are chosen so that tp 1, 2 and 4 divide every head / intermediate size and tp 3 does not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=250, max_position_embeddings=256, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)
+
+FAMILIES: dict[str, dict] = {
+    "llama": dict(model_type="llama"),  # GQA 4 q heads / 2 kv heads, untied
+    "llama_mqa_tied": dict(model_type="llama", num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2"),  # q/k/v bias
+    "qwen3": dict(model_type="qwen3", head_dim=32),  # q_norm/k_norm, explicit head_dim != hidden/heads
+    "mistral": dict(model_type="mistral"),
+    "phi3": dict(model_type="phi3"),  # qkv_proj and gate_up_proj fused on disk
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      head_dim=16, decoder_sparse_step=1, mlp_only_layers=[]),
+}
+DENSE = ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mistral", "phi3"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+def build_config(family: str, **overrides):
+    from transformers import AutoConfig
+
+    kw = {**COMMON, **FAMILIES[family], **overrides}
+    model_type = kw.pop("model_type")
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def build_model(family: str, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(build_config(family, **overrides)).eval()
+    # from_config leaves norms at 1.0 and biases at 0: randomise every param so a misplaced shard shows.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+def save_checkpoint(family: str, out_dir: str | Path, seed: int = 0, dtype=torch.float32,
+                    max_shard_size: str = "100KB", **overrides) -> Path:
+    """Build a tiny `family` model and save it (several .safetensors files + index). Returns the directory."""
+    out = Path(out_dir)
+    model = build_model(family, seed=seed, **overrides).to(dtype)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    return out
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved checkpoint, read independently of distload (with `safetensors`)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def read_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())

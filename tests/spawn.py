@@ -1,0 +1,66 @@
+"""One small helper to run a function on W gloo ranks (real process group, real processes).
+
+torchrun costs ~5 s to reach the first collective, so tests run many cases inside one call of
+`run_ranks` rather than one process group per case. The function runs with the process group
+initialised and the torchrun-style environment set (RANK, WORLD_SIZE, LOCAL_RANK, ...), so code under
+test reads its topology exactly as it would under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, queue, init_group):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", CUDA_VISIBLE_DEVICES="",
+    )
+    try:
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        queue.put((rank, "ok", fn(*args)))
+    except BaseException as exc:  # reported to the parent, which re-raises with the rank named
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if init_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, init_group: bool = True, timeout: float = 300.0) -> list:
+    """Run fn(*args) on `world` gloo ranks; return the per-rank results in rank order.
+
+    fn must be importable (a module-level function). Raises AssertionError with every failing rank's
+    traceback if any rank raised.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, init_group)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, object]] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            results[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(errors.items())))
+    return [results[r][1] for r in range(world)]
