@@ -23,7 +23,7 @@ from .rules import FamilyRules, ParamRule
 from .shard import LocalLayout, Part, Piece, cut, view2d
 from .topology import Layout
 
-DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_STAGING_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""distload: a torchrun-launched, collective-aware checkpoint loader.
+
+Reader ranks read each tensor of a checkpoint from storage once and send every rank only the shards it
+keeps, in the serving layout of vLLM / SGLang; every rank then agrees that each param was loaded exactly
+once. The whole public API:
+
+    result = distload.load(path, tp=4)            # inside a torchrun job: this rank's params + report
+    distload.load_into(module, path, tp=4)        # fill a (meta-device or preallocated) module in place
+    distload.inspect(path, tp=4)                  # no processes: what each rank will get
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import CheckpointError, DistloadError, PlanError, RankFailure, RuleError
+from .loader import LoadResult, run_load
+
+__all__ = ["load", "load_into", "inspect", "LoadResult", "DistloadError", "CheckpointError", "RuleError",
+           "PlanError", "RankFailure"]
+__version__ = "0.1.0"
+
+
+def load(path, tp: int | None = None, ep: int = 1, **options) -> LoadResult:
+    """Load `path` onto this rank (call it on every rank of the job). Options as `distload load --help`:
+    readers, config, strict, device, backend, timeout_s, staging_mib, read_strategy, expert_placement,
+    expert_map, save_sharded, report, progress."""
+    return run_load(str(path), tp=tp, ep=ep, **options)
+
+
+def load_into(module: torch.nn.Module, path, tp: int | None = None, ep: int = 1, device=None, **options) -> LoadResult:
+    """Fill `module`'s params in place by the same plan; a module on the meta device is materialised first.
+
+    The module's param names must be the serving names (`...qkv_proj.weight`, ...) and their shapes this
+    rank's shard shapes; tied params may share one tensor.
+    """
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    if any(p.is_meta for p in module.parameters()):
+        _materialise_keeping_ties(module, device)
+    # One destination tensor per Parameter object, so tied params stay one tensor (`.data` makes a new
+    # tensor object on every access; writing through it needs no autograd bookkeeping).
+    data_of: dict[int, torch.Tensor] = {}
+    params = {name: data_of.setdefault(id(p), p.data) for name, p in module.named_parameters(remove_duplicate=False)}
+    return run_load(str(path), tp=tp, ep=ep, device=str(device), into=params, **options)
+
+
+def _materialise_keeping_ties(module: torch.nn.Module, device) -> None:
+    """module.to_empty(), then re-tie params that were one Parameter (to_empty unties them)."""
+    first_name: dict[int, str] = {}
+    ties = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            ties.append((name, first_name[id(p)]))
+        else:
+            first_name[id(p)] = name
+    module.to_empty(device=device)
+    for alias, target in ties:
+        owner, _, leaf = alias.rpartition(".")
+        setattr(module.get_submodule(owner), leaf, module.get_parameter(target))
+
+
+def inspect(path, tp: int | None = None, ep: int = 1, world: int | None = None, **options):
+    """Plan a load without processes: per rank, params and bytes (see distload.inspect_cmd)."""
+    from .inspect_cmd import inspect_plan
+
+    return inspect_plan(str(path), tp=tp, ep=ep, world=world, **options)

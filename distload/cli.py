@@ -1,0 +1,144 @@
+"""Command line: `torchrun -m distload load|demo|verify ...`, `python -m distload inspect ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+
+
+def _readers(value: str):
+    return value if value == "per-node" else int(value)
+
+
+def _add_load_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides the world size)")
+    p.add_argument("--readers", type=_readers, default="per-node", help="'per-node' (local rank 0 of each node) or N")
+    p.add_argument("--config", default=None, help="rules file (TOML) instead of the one chosen from config.json")
+    p.add_argument("--no-strict", dest="strict", action="store_false", help="warn about missing/unexpected instead of failing")
+    p.add_argument("--device", default=None, help="device for params (default cuda:LOCAL_RANK if CUDA, else cpu)")
+    p.add_argument("--backend", default=None, help="process-group backend (default nccl on CUDA, gloo on CPU)")
+    p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="process-group timeout, seconds")
+    p.add_argument("--staging-mib", type=int, default=None, help="size of one staging buffer (MiB)")
+    p.add_argument("--read-strategy", default=None, choices=["plain", "prefetch", "odirect"],
+                   help="force a read strategy (default: chosen from the file system and free RAM)")
+    p.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"])
+    p.add_argument("--expert-map", default=None, help="EPLB JSON file: per rank, the global expert ids it hosts")
+    p.add_argument("--save-sharded", default=None, metavar="OUT", help="write each rank's shards + manifest to OUT")
+    p.add_argument("--report", default=None, metavar="FILE", help="write the report JSON to FILE (rank 0)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _load_kwargs(args) -> dict:
+    expert_map = None
+    if args.expert_map:
+        with open(args.expert_map) as fh:
+            data = json.load(fh)
+        expert_map = data["ranks"] if isinstance(data, dict) else data
+    return dict(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
+                device=args.device, backend=args.backend, timeout_s=args.timeout_s, staging_mib=args.staging_mib,
+                read_strategy=args.read_strategy, expert_placement=args.expert_placement, expert_map=expert_map,
+                save_sharded=args.save_sharded, report=args.report, progress=args.progress)
+
+
+def cmd_load(args) -> int:
+    from .loader import run_load
+
+    run_load(args.path, **_load_kwargs(args))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .inspect_cmd import describe_plan, inspect_plan
+
+    plan = inspect_plan(args.path, tp=args.tp, ep=args.ep, world=args.world, readers=args.readers,
+                        local_world=args.local_world, config=args.config, strict=args.strict,
+                        staging_mib=args.staging_mib, expert_placement=args.expert_placement)
+    print(describe_plan(plan))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .loader import run_load
+    from . import topology
+    from .demo import make_demo_checkpoint
+    from .transfer import broadcast_object
+
+    topo = topology.from_environment(tp=args.tp, device=args.device, backend=args.backend)
+    topology.init_process_group(topo)
+    path = args.path
+    if path is None:
+        # One node makes the checkpoint where every rank of it can see it (the demo is single-node).
+        path = broadcast_object(tempfile.mkdtemp(prefix="distload-demo-") if topo.rank == 0 else None, src=0)
+    if topo.rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        make_demo_checkpoint(path)
+        print(f"distload demo: wrote a Llama-shaped bf16 checkpoint (3 safetensors files) to {path}", flush=True)
+    from .transfer import barrier
+
+    barrier()
+    kwargs = _load_kwargs(args)
+    result = run_load(path, **kwargs)
+    if result.rank == 0:
+        for r in result.report["per_rank"]:
+            print(f"  rank {r['rank']}: read {r['bytes_read']:>10,} B from storage ({r['files_opened']} files), "
+                  f"received {r['bytes_received']:>10,} B, sent {r['bytes_sent']:>10,} B, "
+                  f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
+    return 0 if result.report["ok"] else 1
+
+
+def cmd_verify(args) -> int:
+    from .verify import run_verify
+
+    return run_verify(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distload", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("load", help="load a checkpoint onto every rank (run under torchrun)")
+    p.add_argument("path")
+    _add_load_options(p)
+    p.set_defaults(fn=cmd_load)
+    p = sub.add_parser("inspect", help="show what each rank will get, without processes")
+    p.add_argument("path")
+    _add_load_options(p)
+    p.add_argument("--world", type=int, default=None, help="world size (default: tp)")
+    p.add_argument("--local-world", type=int, default=None, help="ranks per node (default: all on one node)")
+    p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("demo", help="make a small checkpoint and load it (run under torchrun)")
+    p.add_argument("path", nargs="?", default=None, help="where to write the demo checkpoint (default: a temp dir)")
+    _add_load_options(p)
+    p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("verify", help="load, run a tensor-parallel forward, compare with transformers")
+    p.add_argument("path")
+    _add_load_options(p)
+    p.add_argument("--input-ids", default="1,17,42,7")
+    p.add_argument("--save-logits", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tolerance", type=float, default=2e-2)
+    p.set_defaults(fn=cmd_verify)
+    return parser
+
+
+def main(argv=None) -> int:
+    from .errors import DistloadError
+
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if (rank == 0 or args.verbose) else logging.WARNING,
+                        format=f"[distload rank {rank}] %(message)s")
+    try:
+        return args.fn(args)
+    except DistloadError as exc:
+        print(f"distload: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

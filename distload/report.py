@@ -1,0 +1,118 @@
+"""The load report (DESIGN §4.4): JSON for `--report FILE`, and one summary line on rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+class PhaseClock:
+    """Seconds per phase and in total, in the order the phases ran."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self._last = self.start
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - self._last, 6)
+        self._last = now
+
+    def as_dict(self) -> dict[str, float]:
+        return {**self.seconds, "total": round(time.perf_counter() - self.start, 6)}
+
+
+def process_io_read_bytes() -> int | None:
+    """Bytes this process caused to be fetched from storage (/proc/self/io read_bytes), if readable."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rank_record(rank: int, stats, reader, device: str) -> dict:
+    peak_device = 0
+    if device.startswith("cuda"):
+        peak_device = int(torch.cuda.max_memory_allocated(torch.device(device)))
+    return {
+        "rank": rank,
+        "bytes_read": int(reader.bytes_read) if reader is not None else 0,
+        "files_opened": len(reader.files_opened) if reader is not None else 0,
+        "bytes_received": int(stats.bytes_received),
+        "bytes_sent": int(stats.bytes_sent),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_device_bytes": peak_device,
+        "io_read_bytes": process_io_read_bytes(),
+    }
+
+
+def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str, extra: dict | None = None) -> dict:
+    layout = plan.layout
+    return {
+        "ok": verdict is not None and verdict.ok,
+        "source": source,
+        "family": plan.family,
+        "world_size": layout.world,
+        "tp": layout.tp,
+        "ep": layout.ep,
+        "readers": list(layout.readers),
+        "checkpoint_bytes": plan.checkpoint_bytes,
+        "storage_bytes_read": sum(r["bytes_read"] for r in per_rank),
+        "seconds": seconds,
+        "per_rank": per_rank,
+        "params": verdict.params if verdict is not None else 0,
+        "missing": list(plan.missing),
+        "unexpected": list(plan.unexpected),
+        "ignored": list(plan.ignored),
+        "verdict": verdict.summary() if verdict is not None else None,
+        **(extra or {}),
+    }
+
+
+def write_report(report: dict, path: str | os.PathLike) -> None:
+    tmp = Path(f"{path}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def summary_line(report: dict) -> str:
+    gb = report["checkpoint_bytes"] / 1e9
+    total = report["seconds"]["total"]
+    rate = gb / total if total else 0.0
+    peak = max(r["peak_rss_bytes"] for r in report["per_rank"]) / 2**20
+    return (f"distload: {'OK' if report['ok'] else 'NOT OK'} {report['family']} "
+            f"world={report['world_size']} tp={report['tp']} ep={report['ep']} readers={len(report['readers'])} "
+            f"params={report['params']} checkpoint={gb:.3f} GB read={report['storage_bytes_read'] / 1e9:.3f} GB "
+            f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB; {report['verdict']}")
+
+
+class Progress:
+    """A one-line progress bar on rank 0 for long loads; silent when stderr is not a TTY."""
+
+    def __init__(self, total_bytes: int, enabled: bool):
+        self.total, self.done = max(total_bytes, 1), 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def __call__(self, bucket) -> None:
+        self.done += bucket.read_bytes
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        elapsed = time.perf_counter() - self.start
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\rdistload [{bar:<30}] {frac:6.1%} {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
+                         f"{self.done / 1e9 / max(elapsed, 1e-9):.2f} GB/s")
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()

@@ -1,0 +1,122 @@
+"""A cheap, order-sensitive 128-bit fingerprint of a tensor's raw bytes.
+
+Reconcile (DESIGN §2 step 7) all-gathers the fingerprints of replicated params to prove every rank
+holds bit-identical copies without moving the params themselves.
+
+The hash. The tensor's bytes, in logical (row-major) order, are read as little-endian int32 words, the
+last one zero-padded. Word i with bits w becomes the 64-bit state s_i = zext(w) + (i + 1) * GOLDEN,
+and two bijective 64-bit finalizers (splitmix64's and murmur3's fmix64) turn s_i into h1_i, h2_i.
+The fingerprint is (sum h1_i + L1, sum h2_i + L2) mod 2**64, stored as two signed int64 values, where
+L1, L2 hash the byte count.
+
+Why this shape:
+- sums are associative, so a GPU block reduction gives exactly the value of the CPU reference;
+- for a fixed position i, w -> h_i is a bijection, so a change confined to one word (e.g. any one
+  element of a dtype of at most 4 bytes) always changes the sums: certain, not just probable;
+  wider changes collide only by a ~2**-64 accident per component;
+- the position enters every term, so swapping two different words changes the sums (up to a
+  2**-64-ish accident per component);
+- the byte count is folded in, so the zero padding of the tail cannot collide with real zero bytes.
+All arithmetic is int64 with wrap-around (torch and Triton both wrap on overflow); logical right
+shifts are spelled as arithmetic shifts plus a mask, because int64 has no unsigned shift.
+"""
+
+import torch
+
+from .backend import use_triton
+
+
+def _signed64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+GOLDEN = _signed64(0x9E3779B97F4A7C15)
+SPLITMIX_1 = _signed64(0xBF58476D1CE4E5B9)
+SPLITMIX_2 = _signed64(0x94D049BB133111EB)
+FMIX_1 = _signed64(0xFF51AFD7ED558CCD)
+FMIX_2 = _signed64(0xC4CEB9FE1A85EC53)
+LENGTH_SALT = _signed64(0x6A09E667F3BCC909)  # keeps the length term apart from the word terms
+
+_REFERENCE_CHUNK_WORDS = 1 << 21  # the reference's int64 temporaries stay at a few 16 MiB each
+
+
+@torch.no_grad()
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """int64[2] on CPU: hash of t's bytes in logical order; Triton on CUDA, else the reference."""
+    body, tail = _as_words(t)
+    if use_triton(body):
+        from .fingerprint_triton import word_hash_sums_triton
+
+        sums = word_hash_sums_triton(body)
+    else:
+        sums = word_hash_sums_reference(body, first_index=0)
+    return _finish(sums, tail, body.numel(), t)
+
+
+@torch.no_grad()
+def fingerprint_reference(t: torch.Tensor) -> torch.Tensor:
+    """Plain-torch twin of `fingerprint` (runs on t's device)."""
+    body, tail = _as_words(t)
+    return _finish(word_hash_sums_reference(body, first_index=0), tail, body.numel(), t)
+
+
+@torch.no_grad()
+def word_hash_sums_reference(words: torch.Tensor, first_index: int) -> torch.Tensor:
+    """int64[2]: (sum h1, sum h2) over int32 `words`, the first one at word position `first_index`."""
+    sums = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _REFERENCE_CHUNK_WORDS):
+        chunk = words[start : start + _REFERENCE_CHUNK_WORDS]
+        first = first_index + start + 1
+        state = torch.arange(first, first + chunk.numel(), dtype=torch.int64, device=words.device)
+        state *= GOLDEN
+        state += chunk.to(torch.int64) & 0xFFFFFFFF
+        h2 = state.clone()
+        sums[0] += _splitmix64_(state).sum()
+        sums[1] += _fmix64_(h2).sum()
+    return sums
+
+
+# The mixers work in place: the reference runs in production on CPU ranks, where every int64
+# temporary costs 8 bytes per word.
+
+
+def _xor_shr_(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z ^= z >>> bits (logical shift: torch's >> on int64 is arithmetic, so mask the sign copies)."""
+    shifted = z >> bits
+    shifted &= (1 << (64 - bits)) - 1
+    return z.bitwise_xor_(shifted)
+
+
+def _splitmix64_(z: torch.Tensor) -> torch.Tensor:
+    _xor_shr_(z, 30).mul_(SPLITMIX_1)
+    _xor_shr_(z, 27).mul_(SPLITMIX_2)
+    return _xor_shr_(z, 31)
+
+
+def _fmix64_(z: torch.Tensor) -> torch.Tensor:
+    _xor_shr_(z, 33).mul_(FMIX_1)
+    _xor_shr_(z, 33).mul_(FMIX_2)
+    return _xor_shr_(z, 33)
+
+
+def _as_words(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(body, tail): the whole int32 words of t's bytes (a view when aligned) and the 0..3 left-over bytes."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n_body = raw.numel() // 4
+    if raw.storage_offset() % 4:
+        # a slice starting mid-word cannot be viewed as int32; one aligned copy is the price
+        raw = raw.clone()
+    return raw[: n_body * 4].view(torch.int32), raw[n_body * 4 :]
+
+
+def _finish(sums: torch.Tensor, tail: torch.Tensor, n_body: int, t: torch.Tensor) -> torch.Tensor:
+    """Adds the zero-padded tail word and the byte-count term; returns int64[2] on CPU."""
+    if tail.numel():
+        padded = torch.zeros(4, dtype=torch.uint8, device=tail.device)
+        padded[: tail.numel()] = tail
+        sums = sums + word_hash_sums_reference(padded.view(torch.int32), first_index=n_body)
+    n_bytes = t.numel() * t.element_size()
+    length = torch.tensor(n_bytes ^ LENGTH_SALT, dtype=torch.int64)
+    length_terms = torch.stack([_splitmix64_(length.clone()), _fmix64_(length.clone())])
+    return sums.cpu() + length_terms

@@ -1,0 +1,122 @@
+"""Test-side oracle: slice a Hugging Face state dict into one rank's serving layout (DESIGN §4.2).
+
+Written plainly and independently of distload's rules, plan and forward (it finds the family from the
+names on disk, not from a table), so that tests can compare distload's shards with it and run the
+reference forward on it. Every shard is a fresh contiguous copy, except that a tied lm_head is the
+embedding tensor itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rows(t: torch.Tensor, r: int, p: int) -> torch.Tensor:
+    """Block r of p along dim 0."""
+    n = t.shape[0] // p
+    return t[r * n:(r + 1) * n]
+
+
+def cols(t: torch.Tensor, r: int, p: int) -> torch.Tensor:
+    """Block r of p along dim 1."""
+    n = t.shape[1] // p
+    return t[:, r * n:(r + 1) * n]
+
+
+def padded_vocab(vocab: int, p: int) -> int:
+    """vocab rounded up to a multiple of lcm(64, p)."""
+    m = math.lcm(64, p)
+    return (vocab + m - 1) // m * m
+
+
+def vocab_rows(t: torch.Tensor, r: int, p: int) -> torch.Tensor:
+    padding = torch.zeros(padded_vocab(t.shape[0], p) - t.shape[0], *t.shape[1:], dtype=t.dtype)
+    return rows(torch.cat([t, padding]), r, p)
+
+
+def kv_rows(t: torch.Tensor, r: int, p: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    """k or v (weight or bias) for rank r: kv heads split p ways, or head r // (p / n_kv) when p > n_kv."""
+    if p <= n_kv:
+        return rows(t, r, p)
+    head = r // (p // n_kv)
+    return t[head * head_dim:(head + 1) * head_dim]
+
+
+def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_size: int, ep_size: int = 1,
+                   local_expert_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Rank tp_rank's tensors, serving names. MoE: ep_size contiguous groups of tp_size/ep_size ranks;
+    local_expert_ids defaults to group k hosting experts [k*n/ep_size, (k+1)*n/ep_size)."""
+    r, p = tp_rank, tp_size
+    n_heads = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_heads
+    d = config.get("head_dim") or config["hidden_size"] // n_heads
+    g = p // ep_size  # ranks per EP group; each expert is TP-split g ways inside its group
+    group, t = r // g, r % g
+    out: dict[str, torch.Tensor] = {}
+
+    out["model.embed_tokens.weight"] = vocab_rows(hf["model.embed_tokens.weight"], r, p)
+    if not config.get("tie_word_embeddings"):
+        out["lm_head.weight"] = vocab_rows(hf["lm_head.weight"], r, p)
+    out["model.norm.weight"] = hf["model.norm.weight"]
+
+    for i in range(config["num_hidden_layers"]):
+        a = f"model.layers.{i}."
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                     "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            if a + name in hf:
+                out[a + name] = hf[a + name]
+
+        for kind in ("weight", "bias"):
+            if a + f"self_attn.qkv_proj.{kind}" in hf:  # Phi-3: fused on disk as [q; k; v]
+                q, k, v = hf[a + f"self_attn.qkv_proj.{kind}"].split([n_heads * d, n_kv * d, n_kv * d])
+            elif a + f"self_attn.q_proj.{kind}" in hf:
+                q, k, v = (hf[a + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
+            else:
+                continue
+            out[a + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                [rows(q, r, p), kv_rows(k, r, p, n_kv, d), kv_rows(v, r, p, n_kv, d)])
+        out[a + "self_attn.o_proj.weight"] = cols(hf[a + "self_attn.o_proj.weight"], r, p)
+
+        if a + "block_sparse_moe.gate.weight" in hf:  # Mixtral: experts.{e}.w1 (gate), w3 (up), w2 (down)
+            moe, parts = a + "block_sparse_moe.", ("w1", "w3", "w2")
+        elif a + "mlp.gate.weight" in hf:  # Qwen-MoE
+            moe, parts = a + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        else:
+            moe = None
+
+        if moe is None:  # dense MLP, split p ways
+            if a + "mlp.gate_up_proj.weight" in hf:  # Phi-3: fused on disk as [gate; up]
+                gate, up = hf[a + "mlp.gate_up_proj.weight"].chunk(2)
+            else:
+                gate, up = hf[a + "mlp.gate_proj.weight"], hf[a + "mlp.up_proj.weight"]
+            out[a + "mlp.gate_up_proj.weight"] = torch.cat([rows(gate, r, p), rows(up, r, p)])
+            out[a + "mlp.down_proj.weight"] = cols(hf[a + "mlp.down_proj.weight"], r, p)
+            continue
+
+        out[moe + "gate.weight"] = hf[moe + "gate.weight"]
+        n_experts = hf[moe + "gate.weight"].shape[0]
+        ids = local_expert_ids
+        if ids is None:
+            per_group = n_experts // ep_size
+            ids = list(range(group * per_group, (group + 1) * per_group))
+        w13, w2 = [], []
+        for e in sorted(ids):
+            gate, up, down = (hf[moe + f"experts.{e}.{x}.weight"] for x in parts)
+            w13.append(torch.cat([rows(gate, t, g), rows(up, t, g)]))
+            w2.append(cols(down, t, g))
+        out[moe + "experts.w13_weight"] = torch.stack(w13)
+        out[moe + "experts.w2_weight"] = torch.stack(w2)
+
+        if moe + "shared_expert_gate.weight" in hf:  # Qwen2-MoE: shared expert split p ways like a dense MLP
+            s = moe + "shared_expert."
+            out[moe + "shared_expert_gate.weight"] = hf[moe + "shared_expert_gate.weight"]
+            out[s + "gate_up_proj.weight"] = torch.cat([rows(hf[s + "gate_proj.weight"], r, p),
+                                                        rows(hf[s + "up_proj.weight"], r, p)])
+            out[s + "down_proj.weight"] = cols(hf[s + "down_proj.weight"], r, p)
+
+    shards = {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}
+    if config.get("tie_word_embeddings"):
+        shards["lm_head.weight"] = shards["model.embed_tokens.weight"]  # aliased, as the loader does
+    return shards
