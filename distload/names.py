@@ -61,22 +61,32 @@ def _ranges(numbers: list[int]) -> str:
     return runs[0] if len(runs) == 1 and ".." not in runs[0] and len(numbers) == 1 else "{" + ",".join(runs) + "}"
 
 
+def _fold(members: set[tuple[int, ...]]) -> list[list[frozenset[int]]]:
+    """Exact folding: patterns (one value set per position) whose products partition `members`."""
+    if not members or not next(iter(members)):
+        return [[]]
+    last_values: dict[tuple[int, ...], set[int]] = defaultdict(set)
+    for m in members:
+        last_values[m[:-1]].add(m[-1])
+    prefixes_by_set: dict[frozenset[int], set[tuple[int, ...]]] = defaultdict(set)
+    for prefix, values in last_values.items():
+        prefixes_by_set[frozenset(values)].add(prefix)
+    return [pattern + [values] for values, prefixes in prefixes_by_set.items() for pattern in _fold(prefixes)]
+
+
 def collapse(names) -> list[str]:
-    """Sorted names with numbered components folded: ['a.{0..31}.b', 'c']; for error messages."""
-    groups: dict[str, list[list[int]]] = defaultdict(list)
+    """Sorted names with numbered components folded: ['a.{0..31}.b', 'c']; for error messages.
+
+    Exact: the folded patterns stand for precisely the given names, never for one that is not there.
+    """
+    groups: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for name in names:
-        numbers = [int(x) for x in _NUMBER.findall(name)]
-        groups[_NUMBER.sub("#", name)].append(numbers)
+        groups[_NUMBER.sub("#", name)].add(tuple(int(x) for x in _NUMBER.findall(name)))
     out = []
     for shape, members in groups.items():
-        if len(members) == 1:
-            it = iter(members[0])
-            out.append(re.sub("#", lambda _: str(next(it)), shape))
-            continue
-        # Fold each numbered position independently when the others vary over the same sets.
-        columns = list(zip(*members))
-        it = iter(columns)
-        out.append(re.sub("#", lambda _: _ranges(list(next(it))), shape))
+        for pattern in _fold(members):
+            it = iter(pattern)
+            out.append(re.sub("#", lambda _: _ranges(list(next(it))), shape))
     return sorted(out)
 
 

@@ -306,7 +306,12 @@ def _local_shape(style: str, global_shape: tuple[int, ...], lay: LocalLayout) ->
         return global_shape
     if style == "row":
         return tuple(global_shape[:-1]) + (lay.cols,) if len(global_shape) > 1 else global_shape
-    return (lay.rows,) + tuple(global_shape[1:])
+    # Row cuts of the 2-D view split dim 0 of an N-D tensor: each dim-0 index spans rows_per_index rows.
+    rows_per_index = view2d(global_shape)[0] // global_shape[0] if global_shape and global_shape[0] else 1
+    if lay.rows % rows_per_index:
+        raise PlanError(f"a {style} cut of a {list(global_shape)} tensor gives {lay.rows} rows of its 2-D view, "
+                        f"not a whole number of dim-0 slices ({rows_per_index} rows each)")
+    return (lay.rows // rows_per_index,) + tuple(global_shape[1:])
 
 
 def _effective_style(style: str, ndim: int) -> str:
@@ -405,7 +410,11 @@ def _buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: 
         cur, cur_read, cur_send, cur_recv = [], 0, 0, [0] * world
 
     for s in sources:
-        per_chunk = max(1, staging_bytes // max(1, s.row_bytes))
+        # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
+        # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
+        sent = sum(d.piece.numel for d in s.deliveries) * itemsize(s.dtype)
+        per_row = max(s.row_bytes, -(-sent // max(1, s.rows)), 1)
+        per_chunk = max(1, staging_bytes // per_row)
         for a in range(0, max(s.rows, 1), per_chunk):
             chunk = Chunk(s.name, (a, min(a + per_chunk, s.rows)))
             read = (chunk.rows[1] - chunk.rows[0]) * s.row_bytes

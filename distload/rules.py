@@ -151,10 +151,15 @@ def parse_rules(path) -> FamilyRules:
             raise RuleError(f"{where}: params.{target!r} (style expert) needs inner = one of {INNER_STYLES}")
         if style != "expert" and inner is not None:
             raise RuleError(f"{where}: params.{target!r}: 'inner' only applies to style expert")
-        parts = tuple(table.get("parts", [target]))
-        if not parts or not all(isinstance(p, str) for p in parts):
-            raise RuleError(f"{where}: params.{target!r}: parts must be a non-empty list of names")
-        split = tuple(table.get("split", ()))
+        raw_parts, raw_split = table.get("parts", [target]), table.get("split", [])
+        if not isinstance(raw_parts, list) or not raw_parts or not all(isinstance(p, str) for p in raw_parts):
+            raise RuleError(f"{where}: params.{target!r}: parts must be a non-empty list of names, got {raw_parts!r}")
+        if not isinstance(raw_split, list) or not all(isinstance(d, str) for d in raw_split):
+            raise RuleError(f"{where}: params.{target!r}: split must be a list of dim names, got {raw_split!r}")
+        parts, split = tuple(raw_parts), tuple(raw_split)
+        pad_to = table.get("pad_to", 64)
+        if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 1:
+            raise RuleError(f"{where}: params.{target!r}: pad_to must be a positive integer, got {pad_to!r}")
         for dim_name in split:
             if dim_name not in data.get("dims", {}):
                 raise RuleError(f"{where}: params.{target!r}: split names dim {dim_name!r}, not in [dims]")
@@ -166,7 +171,7 @@ def parse_rules(path) -> FamilyRules:
         if style == "expert" and not all("expert" in names.variables(p) for p in parts) and not table.get("stacked"):
             raise RuleError(f"{where}: params.{target!r}: expert parts need {{expert}} in their names, or stacked = true")
         params.append(ParamRule(target=target, style=style, parts=parts, split=split, inner=inner,
-                                 pad_to=int(table.get("pad_to", 64)), stacked=bool(table.get("stacked", False))))
+                                 pad_to=pad_to, stacked=bool(table.get("stacked", False))))
     for table_name in ("dims", "loops"):
         bad = {k: v for k, v in data.get(table_name, {}).items() if not isinstance(v, str)}
         if bad:
