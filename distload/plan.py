@@ -412,7 +412,7 @@ def _buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: 
     for s in sources:
         # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
         # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
-        sent = sum(d.piece.numel for d in s.deliveries) * itemsize(s.dtype)
+        sent = 0 if s.broadcast else sum(d.piece.numel for d in s.deliveries) * itemsize(s.dtype)
         per_row = max(s.row_bytes, -(-sent // max(1, s.rows)), 1)
         per_chunk = max(1, staging_bytes // per_row)
         for a in range(0, max(s.rows, 1), per_chunk):
