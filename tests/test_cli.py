@@ -1,0 +1,118 @@
+"""The command line as users run it: real `torchrun -m distload ...` processes.
+
+An audit hook installed through sitecustomize (independent of distload's own counters) records, per
+process, which checkpoint weight files it opened: the proof that only the reader touches storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from layout_oracle import serving_shards
+
+AUDIT_HOOK = textwrap.dedent('''
+    import os, sys
+    _root = os.environ.get("AUDIT_WEIGHT_ROOT")
+    _out = os.environ.get("AUDIT_OUT")
+    if _root and _out:
+        def _hook(event, args, _root=os.path.realpath(_root), _out=_out):
+            if event == "open" and args and isinstance(args[0], str):
+                path = os.path.realpath(args[0])
+                if path.startswith(_root) and path.endswith((".safetensors", ".bin", ".pt")):
+                    with open(os.path.join(_out, f"opens-{os.getpid()}-rank{os.environ.get('RANK', '?')}.txt"), "a") as fh:
+                        fh.write(path + "\\n")
+        sys.addaudithook(_hook)
+''')
+
+
+def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "distload", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def test_load_tp4_save_report_and_single_reader(dense_checkpoints, tmp_path):
+    from hf_models import checkpoint_tensors, read_config
+    from safetensors.torch import load_file
+
+    ckpt = dense_checkpoints["qwen2"]
+    hook_dir, audit = tmp_path / "hook", tmp_path / "audit"
+    hook_dir.mkdir()
+    audit.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(AUDIT_HOOK)
+    out, report_path = tmp_path / "q-tp4", tmp_path / "r.json"
+    proc = torchrun(4, "load", ckpt, "--tp", "4", "--save-sharded", str(out), "--report", str(report_path),
+                    env={"PYTHONPATH": str(hook_dir), "AUDIT_WEIGHT_ROOT": ckpt, "AUDIT_OUT": str(audit)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "distload: OK qwen2 world=4 tp=4" in proc.stdout
+
+    hf, config = checkpoint_tensors(ckpt), read_config(ckpt)
+    for rank in range(4):
+        saved = load_file(str(out / f"rank-{rank:05d}-of-00004.safetensors"))
+        want = serving_shards(hf, config, rank, 4)
+        assert sorted(saved) == sorted(want)
+        for name, t in want.items():
+            assert torch.equal(saved[name], t), (rank, name)
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["format"], manifest["world_size"], manifest["tp"], manifest["ep"]) == ("distload-sharded", 4, 4, 1)
+    qkv = manifest["params"]["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv["style"] == "qkv" and len(qkv["ranks"]) == 4 and all(len(r["sha256"]) == 64 for r in qkv["ranks"])
+
+    report = json.loads(report_path.read_text())
+    for key in ("ok", "world_size", "tp", "ep", "readers", "checkpoint_bytes", "storage_bytes_read", "seconds",
+                "per_rank", "params", "missing", "unexpected"):
+        assert key in report, key
+    assert report["ok"] and report["readers"] == [0]
+    assert report["storage_bytes_read"] == report["checkpoint_bytes"] > 0
+    assert "total" in report["seconds"] and "transfer" in report["seconds"]
+    assert [r["rank"] for r in report["per_rank"]] == [0, 1, 2, 3]
+    for r in report["per_rank"]:
+        assert set(r) >= {"rank", "bytes_read", "bytes_received", "bytes_sent", "peak_rss_bytes", "peak_device_bytes"}
+    # one process (rank 0) opened weight files; the other three never did
+    opened = sorted(p.name for p in audit.iterdir())
+    assert len(opened) == 1 and opened[0].endswith("rank0.txt"), opened
+
+
+def test_tp3_refused_on_every_rank_with_valid_choices(dense_checkpoints):
+    proc = torchrun(3, "load", dense_checkpoints["llama"], "--timeout", "60")
+    assert proc.returncode != 0
+    for rank in range(3):
+        line = next((l for l in proc.stderr.splitlines() if l.startswith(f"distload: error on rank {rank}:")), None)
+        assert line is not None, proc.stderr[-4000:]
+        assert "qkv_proj.weight (rule qkv)" in line and "tp=3" in line and "try tp 1, 2, 4" in line, line
+
+
+def test_inspect_without_processes(dense_checkpoints):
+    proc = subprocess.run([sys.executable, "-m", "distload", "inspect", dense_checkpoints["phi3"], "--tp", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("family phi3: world 4, tp 4, ep 1, readers [0]")
+    rows = [l.split() for l in lines if l.strip() and l.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
+    reads = [int(r[3].replace(",", "")) for r in rows]
+    assert reads[0] > 0 and reads[1:] == [0, 0, 0]   # one reader reads everything once
+
+
+def test_inspect_refuses_bad_tp_before_io(dense_checkpoints):
+    proc = subprocess.run([sys.executable, "-m", "distload", "inspect", dense_checkpoints["qwen3"], "--tp", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "try tp 1, 2, 4" in proc.stderr
+
+
+def test_demo_under_torchrun(tmp_path):
+    proc = torchrun(2, "demo", str(tmp_path / "demo-ckpt"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "distload: OK llama world=2 tp=2" in proc.stdout
+    assert "every param loaded exactly once" in proc.stdout
+    assert (tmp_path / "demo-ckpt" / "model.safetensors.index.json").exists()
