@@ -168,3 +168,53 @@ def test_load_into_meta_module(dense_checkpoints):
     results = run_ranks(2, _load_into_modules, dense_checkpoints)
     problems = [p for r in results for p in r]
     assert not problems, "\n".join(problems)
+
+
+def _load_with_many_readers(checkpoints: dict, bin_checkpoint: str) -> dict:
+    import torch.distributed as dist
+
+    import distload
+
+    opened = _record_weight_opens(list(checkpoints.values()) + [bin_checkpoint])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems, readers_seen = [], {}
+    for fam in ("llama", "qwen3", "phi3"):
+        for readers in (2, world):
+            result = distload.load(checkpoints[fam], tp=world, readers=readers, staging_mib=1, progress=False)
+            problems += _compare(result.params, _expected(checkpoints[fam], rank, world),
+                                 f"{fam} readers={readers} rank{rank}")
+            readers_seen[(fam, readers)] = [r["bytes_read"] for r in result.report["per_rank"]]
+            if result.report["storage_bytes_read"] != result.report["checkpoint_bytes"]:
+                problems.append(f"{fam} readers={readers}: read {result.report['storage_bytes_read']} bytes "
+                                f"of {result.report['checkpoint_bytes']}")
+    # a legacy .bin checkpoint: torch.load(weights_only=True) on the reader only
+    result = distload.load(bin_checkpoint, tp=world, progress=False)
+    problems += _compare(result.params, _expected_from_bin(bin_checkpoint, rank, world), f"bin rank{rank}")
+    return {"problems": problems, "readers": readers_seen, "opened": len(opened)}
+
+
+def _expected_from_bin(path: str, rank: int, tp: int) -> dict:
+    from hf_models import read_config
+    from layout_oracle import serving_shards
+
+    state = torch.load(str(Path(path) / "pytorch_model.bin"), weights_only=True)
+    return serving_shards(state, read_config(path), rank, tp)
+
+
+def test_several_readers_and_legacy_bin(dense_checkpoints, tmp_path):
+    from hf_models import build_model
+
+    # transformers 5 no longer writes .bin files: write the legacy layout (config + pickled state dict) directly
+    bin_dir = tmp_path / "llama-bin"
+    model = build_model("llama", seed=3)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(bin_dir)
+    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, bin_dir / "pytorch_model.bin")
+    results = run_ranks(4, _load_with_many_readers, dense_checkpoints, str(bin_dir))
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    per_rank_reads = results[0]["readers"]
+    for (fam, readers), reads in per_rank_reads.items():
+        assert sum(1 for b in reads if b > 0) == readers, (fam, readers, reads)   # every reader took a share
+        assert max(reads) <= 0.75 * sum(reads), (fam, readers, reads)           # ... and nobody took it all
+    assert all(r["opened"] > 0 for r in results)   # with readers == world every rank reads some file
