@@ -116,3 +116,26 @@ def test_demo_under_torchrun(tmp_path):
     assert "distload: OK llama world=2 tp=2" in proc.stdout
     assert "every param loaded exactly once" in proc.stdout
     assert (tmp_path / "demo-ckpt" / "model.safetensors.index.json").exists()
+
+
+def test_two_emulated_nodes_read_once_per_job(dense_checkpoints, tmp_path):
+    """Two torchrun node agents on one machine (rendezvous over loopback): one reader per node by default."""
+    from spawn import free_port
+
+    port = free_port()
+    report = tmp_path / "r.json"
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "distload-test", "-m", "distload", "load", dense_checkpoints["llama"], "--tp", "4",
+               "--report", str(report), "--timeout", "60"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    r = json.loads(report.read_text())
+    assert r["readers"] == [0, 2]                       # local rank 0 of each node
+    reads = [x["bytes_read"] for x in r["per_rank"]]
+    assert reads[1] == reads[3] == 0 and reads[0] > 0 and reads[2] > 0
+    assert r["storage_bytes_read"] == r["checkpoint_bytes"]  # the job as a whole reads each byte once
