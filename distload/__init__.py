@@ -7,6 +7,7 @@ once. The whole public API:
     result = distload.load(path, tp=4)            # inside a torchrun job: this rank's params + report
     distload.load_into(module, path, tp=4)        # fill a (meta-device or preallocated) module in place
     distload.inspect(path, tp=4)                  # no processes: what each rank will get
+    distload.refit(result, state_dict, src=0)     # live weight update from one rank, each rank its shards
 """
 
 from __future__ import annotations
@@ -15,17 +16,28 @@ import torch
 
 from .errors import CheckpointError, DistloadError, PlanError, RankFailure, RuleError
 from .loader import LoadResult, run_load
+from .refit import Refit, RefitFailed, refit
 
-__all__ = ["load", "load_into", "inspect", "LoadResult", "DistloadError", "CheckpointError", "RuleError",
-           "PlanError", "RankFailure"]
+__all__ = ["load", "load_into", "inspect", "refit", "LoadResult", "Refit", "RefitFailed", "DistloadError",
+           "CheckpointError", "RuleError", "PlanError", "RankFailure"]
 __version__ = "0.1.0"
 
 
-def load(path, tp: int | None = None, ep: int = 1, **options) -> LoadResult:
+def load(path, tp: int | None = None, ep: int = 1, quantize: str | None = None, dequantize: bool = False,
+         **options) -> LoadResult:
     """Load `path` onto this rank (call it on every rank of the job). Options as `distload load --help`:
     readers, config, strict, device, backend, timeout_s, staging_mib, read_strategy, expert_placement,
-    expert_map, save_sharded, report, progress."""
-    return run_load(str(path), tp=tp, ep=ep, **options)
+    expert_map, save_sharded, report, progress, reshard, checksums, hf_config,
+    verify_checksums (sha256 of each weight file against CKPT/checksums), check_finite (NaN/Inf scan).
+
+    `path` may also be a --save-sharded directory (each rank reads its own file; another topology needs
+    reshard=True) or a torch.distributed.checkpoint directory (hf_config=DIR with the model's config.json).
+
+    quantize="fp8" | "fp8-block": quantize a BF16/FP16 checkpoint's linear weights on each rank as they
+    land (params `X.weight` fp8 + `X.weight_scale` / `X.weight_scale_inv`); dequantize=True: an FP8
+    checkpoint's weights as BF16. FP8 checkpoints (config.json quantization_config) load as FP8 by default.
+    """
+    return run_load(str(path), tp=tp, ep=ep, quantize=quantize, dequantize=dequantize, **options)
 
 
 def load_into(module: torch.nn.Module, path, tp: int | None = None, ep: int = 1, device=None, **options) -> LoadResult:

@@ -24,13 +24,27 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="process-group backend (default nccl on CUDA, gloo on CPU)")
     p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="process-group timeout, seconds")
     p.add_argument("--staging-mib", type=int, default=None, help="size of one staging buffer (MiB)")
-    p.add_argument("--read-strategy", default=None, choices=["plain", "prefetch", "odirect"],
+    p.add_argument("--read-strategy", default=None, choices=["plain", "threaded", "prefetch", "odirect"],
                    help="force a read strategy (default: chosen from the file system and free RAM)")
     p.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"])
     p.add_argument("--expert-map", default=None, help="EPLB JSON file: per rank, the global expert ids it hosts")
     p.add_argument("--save-sharded", default=None, metavar="OUT", help="write each rank's shards + manifest to OUT")
     p.add_argument("--report", default=None, metavar="FILE", help="write the report JSON to FILE (rank 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--quantize", default=None, choices=["fp8", "fp8-block"],
+                   help="quantize a BF16/FP16 checkpoint's linear weights on each rank as they land: fp8 (one scale "
+                        "per rank-local param) or fp8-block (128x128 blocks)")
+    p.add_argument("--dequantize", action="store_true", help="turn an FP8 checkpoint's weights into BF16")
+    p.add_argument("--reshard", action="store_true",
+                   help="loading a --save-sharded directory saved on another topology: re-cut its shards for this job")
+    p.add_argument("--no-checksums", dest="checksums", action="store_false",
+                   help="reloading a --save-sharded directory: skip the sha256 check of the bytes read")
+    p.add_argument("--verify-checksums", action="store_true",
+                   help="before the transfer, readers check each weight file's sha256 against CKPT/checksums "
+                        "(sha256sum output); a --save-sharded directory: its manifest's checksums")
+    p.add_argument("--check-finite", action="store_true", help="after the transfer, scan every rank's params for NaN/Inf")
+    p.add_argument("--hf-config", default=None, metavar="DIR",
+                   help="directory with the model's config.json (required for a torch.distributed.checkpoint dir)")
 
 
 def _load_kwargs(args) -> dict:
@@ -42,7 +56,9 @@ def _load_kwargs(args) -> dict:
     return dict(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
                 device=args.device, backend=args.backend, timeout_s=args.timeout_s, staging_mib=args.staging_mib,
                 read_strategy=args.read_strategy, expert_placement=args.expert_placement, expert_map=expert_map,
-                save_sharded=args.save_sharded, report=args.report, progress=args.progress)
+                save_sharded=args.save_sharded, report=args.report, progress=args.progress, reshard=args.reshard,
+                checksums=args.checksums, hf_config=args.hf_config, quantize=args.quantize,
+                dequantize=args.dequantize, verify_checksums=args.verify_checksums, check_finite=args.check_finite)
 
 
 def cmd_load(args) -> int:
@@ -57,7 +73,9 @@ def cmd_inspect(args) -> int:
 
     plan = inspect_plan(args.path, tp=args.tp, ep=args.ep, world=args.world, readers=args.readers,
                         local_world=args.local_world, config=args.config, strict=args.strict,
-                        staging_mib=args.staging_mib, expert_placement=args.expert_placement)
+                        staging_mib=args.staging_mib, expert_placement=args.expert_placement,
+                        expert_map=_load_kwargs(args)["expert_map"], quantize=args.quantize,
+                        dequantize=args.dequantize)
     print(describe_plan(plan))
     return 0
 
@@ -117,10 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="load, run a tensor-parallel forward, compare with transformers")
     p.add_argument("path")
     _add_load_options(p)
-    p.add_argument("--input-ids", default="1,17,42,7")
-    p.add_argument("--save-logits", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--tolerance", type=float, default=2e-2)
+    p.add_argument("--input-ids", default="1,17,42,7", help="one sequence of token ids, comma-separated")
+    p.add_argument("--save-logits", default=None, metavar="FILE",
+                   help="write distload's logits [tokens, vocab] float32 as tensor 'logits' to a safetensors FILE")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype of the forward")
+    p.add_argument("--tolerance", type=float, default=2e-2,
+                   help="fail above this max |distload - transformers| / max |transformers| (or if argmax differs)")
     p.set_defaults(fn=cmd_verify)
     return parser
 
@@ -135,7 +155,12 @@ def main(argv=None) -> int:
     try:
         return args.fn(args)
     except DistloadError as exc:
-        print(f"distload: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        # One write per line: ranks share the terminal, and print() writes the newline separately.
+        sys.stderr.write(f"distload: error on rank {rank}: {exc}\n")
+        sys.stderr.flush()
+        from .transfer import report_together
+
+        report_together()
         return 1
     finally:
         import torch.distributed as dist

@@ -10,7 +10,8 @@ from .topology import Layout, reader_ranks
 
 def inspect_plan(path: str, tp: int | None = None, ep: int = 1, world: int | None = None, readers="per-node",
                  local_world: int | None = None, config: str | None = None, strict: bool = True,
-                 staging_mib: int | None = None, expert_placement: str = "linear", expert_map=None) -> LoadPlan:
+                 staging_mib: int | None = None, expert_placement: str = "linear", expert_map=None,
+                 quantize: str | None = None, dequantize: bool = False) -> LoadPlan:
     world = world or tp or 1
     index = discover(path)
     layout = Layout(world=world, tp=tp or world, ep=ep, readers=reader_ranks(world, local_world or world, readers),
@@ -18,17 +19,22 @@ def inspect_plan(path: str, tp: int | None = None, ep: int = 1, world: int | Non
                     expert_map=tuple(tuple(x) for x in expert_map) if expert_map is not None else None)
     rules = rules_for(index.config, config)
     return build_plan(index.tensors, index.config, rules, layout, strict=strict,
-                      staging_bytes=(staging_mib << 20) if staging_mib else DEFAULT_STAGING_BYTES)
+                      staging_bytes=(staging_mib << 20) if staging_mib else DEFAULT_STAGING_BYTES,
+                      quantize=quantize, dequantize=dequantize)
 
 
 def describe_plan(plan: LoadPlan) -> str:
-    """A human table: per rank, params held, bytes kept, bytes read, bytes received, experts hosted."""
+    """A human table: per rank, params held, bytes kept, bytes read, bytes received, experts hosted (global ids,
+    the same in every MoE layer) and the bytes of expert params among those kept."""
     layout = plan.layout
     lines = [f"family {plan.family}: world {layout.world}, tp {layout.tp}, ep {layout.ep}, readers {list(layout.readers)}",
              f"checkpoint tensors {len(plan.sources)}, bytes {plan.checkpoint_bytes:,}, buckets {len(plan.buckets)}"]
     if plan.ignored:
         lines.append(f"ignored by rule: {len(plan.ignored)} tensor(s)")
-    header = f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15}  experts"
+    if plan.quantization:
+        lines.append(f"quantization: {plan.quantization}; 'keeps bytes' are the params after post-load steps")
+    header = (f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "
+              f"{'expert bytes':>15}  experts")
     lines.append(header)
     for r in range(layout.world):
         specs = plan.specs[r]
@@ -36,7 +42,8 @@ def describe_plan(plan: LoadPlan) -> str:
         reads = sum(b.read_bytes for b in plan.buckets if b.reader == r)
         receives = sum((b.read_bytes if b.broadcast else b.recv_bytes[r]) for b in plan.buckets if b.reader != r)
         experts = sorted({e for s in specs.values() for e in s.experts})
-        lines.append(f"{r:>4} {len(specs):>7} {keeps:>15,} {reads:>15,} {receives:>15,}  "
+        expert_bytes = sum(s.nbytes for s in specs.values() if s.style == "expert")
+        lines.append(f"{r:>4} {len(specs):>7} {keeps:>15,} {reads:>15,} {receives:>15,} {expert_bytes:>15,}  "
                      f"{_ranges(experts) if experts else '-'}")
     return "\n".join(lines)
 

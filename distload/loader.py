@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -15,8 +15,10 @@ import torch
 from . import topology as topo_mod
 from .checkpoint import RangeReader, choose_strategy, discover
 from .dtypes import torch_dtype
-from .errors import DistloadError, PlanError
+from .errors import CheckpointError, DistloadError, PlanError
+from .integrity import checksum_problems, checksum_verdict, files_for_reader, finite_verdict, nonfinite
 from .plan import DEFAULT_STAGING_BYTES, LoadPlan, ParamSpec, build_plan
+from .postprocess import PostProcess
 from .reconcile import Verdict, reconcile
 from .report import PhaseClock, Progress, build_report, rank_record, summary_line, write_report
 from .rules import rules_for
@@ -35,6 +37,7 @@ class LoadResult:
     verdict: Verdict | None = None
     config: dict = field(default_factory=dict, repr=False)
     rank: int = 0
+    version: int = 0          # advanced by distload.refit once every rank acknowledged an update
 
 
 def _phase(name: str, fn):
@@ -48,12 +51,25 @@ def _phase(name: str, fn):
     return result
 
 
-def _discover_on_rank0(path: str, rank: int, config_override: dict | None):
+def _discover_on_rank0(path: str, rank: int, hf_config: str | None = None, rules_path: str | None = None):
     """Headers are parsed once, on rank 0, and shared as metadata: no other rank opens them."""
+    from .dcp import discover_dcp, is_dcp
+
     payload = None
     if rank == 0:
         try:
-            index = discover(path)
+            if is_dcp(path):  # torch.distributed.checkpoint directory; config.json from --hf-config
+                index = discover_dcp(path, hf_config, rules_path)
+            else:
+                index = discover(path)
+                if hf_config:
+                    from .checkpoint.discover import _read_config
+
+                    index = replace(index, config=_read_config(hf_config))
+            if not index.config:  # every plan needs it (architectures, head counts): say so, not "unknown family"
+                raise CheckpointError(f"{index.root}: config.json is missing or empty; distload plans from the "
+                                      "model's config (architectures, head counts, sizes): put the model's "
+                                      "config.json next to the weights, or pass --hf-config DIR")
             payload = ("ok", index)
         except Exception as exc:
             payload = ("error", exc)
@@ -79,7 +95,21 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
              strict: bool = True, device: str | None = None, backend: str | None = None, timeout_s: float = 600.0,
              staging_mib: int | None = None, read_strategy: str | None = None, expert_placement: str = "linear",
              expert_map=None, save_sharded: str | None = None, report: str | None = None,
-             into: dict[str, torch.Tensor] | None = None, progress: bool = True) -> LoadResult:
+             into: dict[str, torch.Tensor] | None = None, progress: bool = True, reshard: bool = False,
+             hf_config: str | None = None, checksums: bool = True, quantize: str | None = None,
+             dequantize: bool = False, verify_checksums: bool = False, check_finite: bool = False) -> LoadResult:
+    from .handoff import is_sharded_save, load_sharded
+
+    if is_sharded_save(path):  # a --save-sharded directory: rank-local reload, or --reshard (handoff.py)
+        # --verify-checksums there is the manifest's sha256 of every param's bytes (checked while reading).
+        result = load_sharded(str(path), tp=tp, ep=ep, reshard=reshard, config=config, strict=strict, device=device,
+                              backend=backend, timeout_s=timeout_s, staging_mib=staging_mib, read_strategy=read_strategy,
+                              expert_placement=expert_placement, expert_map=expert_map,
+                              checksums=checksums or verify_checksums, save_sharded=save_sharded, report=report,
+                              into=into, progress=progress)
+        if check_finite:
+            _check_finite(result.params, result.specs)
+        return result
     clock = PhaseClock()
     topo = topo_mod.from_environment(tp=tp, ep=ep, readers=readers, device=device, backend=backend,
                                      timeout_s=timeout_s, expert_placement=expert_placement, expert_map=expert_map)
@@ -87,14 +117,15 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     rank = topo.rank
     clock.lap("topology")
 
-    index = _phase("discover", lambda: _discover_on_rank0(str(path), rank, None))
+    index = _phase("discover", lambda: _discover_on_rank0(str(path), rank, hf_config, config))
     clock.lap("discover")
 
-    staging = (staging_mib << 20) if staging_mib else DEFAULT_STAGING_BYTES
+    staging = int(staging_mib * (1 << 20)) if staging_mib else DEFAULT_STAGING_BYTES  # a fraction: small tests
 
     def make_plan():
         rules = rules_for(index.config, config)
-        return build_plan(index.tensors, index.config, rules, topo.layout, strict=strict, staging_bytes=staging)
+        return build_plan(index.tensors, index.config, rules, topo.layout, strict=strict, staging_bytes=staging,
+                          quantize=quantize, dequantize=dequantize)
 
     plan = _phase("planning", make_plan)
     specs = plan.specs[rank]
@@ -102,7 +133,19 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
         log.info(note)
     clock.lap("plan")
 
+    if verify_checksums:  # readers hash the weight files (each file once) before a byte is sent
+        _verdict_everywhere("verify-checksums",
+                            lambda: checksum_problems(index.root, index.files, topo.layout.readers, rank),
+                            lambda found: checksum_verdict(found, index.root))
+        clock.lap("verify-checksums")
+
+    post = None
+
     def make_params():
+        nonlocal post
+        if any(plan.post):  # post-load steps (postprocess.py) run as their inputs land, and allocate them
+            post = PostProcess(plan, rank, topo.device)
+            return post.allocate(None if into is None else _check_into(into, specs))
         if into is None:
             return allocate(specs, topo.device)
         return _check_into(into, specs)
@@ -120,12 +163,14 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
                 log.info("read strategy %s: forced by --read-strategy", strategy)
             else:
                 strategy, _ = choose_strategy(index.root, index.total_bytes)  # logs its reason
-            reader = RangeReader(index.root, strategy=strategy)
+            from .dcp import DcpIndex, DcpReader
+
+            reader = DcpReader(index, strategy) if isinstance(index, DcpIndex) else RangeReader(index.root, strategy=strategy)
         bar = Progress(plan.checkpoint_bytes, enabled=progress and rank == 0)
         transfer = Transfer(plan, rank, params, reader=reader, device=topo.device,
-                            progress=bar if rank == 0 else None)
+                            progress=bar if rank == 0 else None, on_bucket_done=post and post.on_bucket_done)
         transfer.run()
-        zero_padding(params, specs, transfer.stats)
+        zero_padding(params, plan.staging_specs(rank), transfer.stats)
         if transfer.error is not None:
             raise transfer.error
 
@@ -136,11 +181,25 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
             reader.close()
     clock.lap("transfer")
 
-    verdict = _phase("reconcile", lambda: reconcile(plan, rank, params, transfer.stats.written, strict=strict))
-    clock.lap("reconcile")
+    written = transfer.stats.written
+    if post is not None:  # steps not run during the transfer; the written record carried to the final params
+        written = _phase("postprocess", lambda: post.finish(transfer.stats.written))
+        clock.lap("postprocess")
 
-    per_rank = all_gather_objects(rank_record(rank, transfer.stats, reader, topo.device))
-    result_report = build_report(plan, per_rank, clock.as_dict(), verdict, source=str(index.root))
+    verdict = _phase("reconcile", lambda: reconcile(plan, rank, params, written, strict=strict))
+    clock.lap("reconcile")
+    if check_finite:
+        _check_finite(params, specs)
+        clock.lap("check-finite")
+
+    record = rank_record(rank, transfer.stats, reader, topo.device)
+    if verify_checksums:
+        record["checksum_files_verified"] = len(files_for_reader(index.files, topo.layout.readers, rank))
+    if post is not None:
+        record.update(post.report())
+    per_rank = all_gather_objects(record)
+    result_report = build_report(plan, per_rank, clock.as_dict(), verdict, source=str(index.root),
+                                 extra={"quantization": plan.quantization})
     result = LoadResult(params=params, specs=specs, report=result_report, plan=plan, verdict=verdict,
                         config=index.config, rank=rank)
     if save_sharded:
@@ -155,6 +214,18 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
             write_report(result_report, report)
         print(summary_line(result_report), flush=True)
     return result
+
+
+def _check_finite(params: dict[str, torch.Tensor], specs: dict[str, ParamSpec]) -> None:
+    """--check-finite: each rank scans its own params for NaN/Inf."""
+    _verdict_everywhere("check-finite", lambda: nonfinite(params, specs), finite_verdict)
+
+
+def _verdict_everywhere(phase: str, scan, verdict) -> None:
+    """Each rank runs `scan`; what every rank found makes one verdict, raised identically on every rank."""
+    message = verdict(all_gather_objects(_phase(phase, scan)))
+    if message is not None:
+        raise CheckpointError(message)
 
 
 def _check_into(into: dict[str, torch.Tensor], specs: dict[str, ParamSpec]) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from . import names
+from . import names, quant_plan
 from .dtypes import itemsize
 from .errors import PlanError, RuleError
 from .rules import FamilyRules, ParamRule
@@ -112,6 +112,15 @@ class LoadPlan:
     ignored: tuple[str, ...] = ()                # dropped by rule or by a tie (e.g. rotary inv_freq)
     checkpoint_bytes: int = 0
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # Quantized loads (quant_plan.py): `specs` are the final params (what the caller gets and reconcile
+    # checks); where post-load steps change them, `staging` holds what the transfer writes, per rank.
+    staging: tuple[dict[str, ParamSpec], ...] = ()
+    post: tuple[tuple, ...] = ()                 # per rank, quant_plan.Step s run after their inputs arrive
+    quantization: str | None = None              # e.g. 'fp8-block 128x128 (config.json ...)'; None: none
+
+    def staging_specs(self, rank: int) -> dict[str, ParamSpec]:
+        """What the transfer writes on `rank` (the final specs unless a post-load step rewrites params)."""
+        return self.staging[rank] if self.staging else self.specs[rank]
 
     def items(self, bucket: Bucket, rank: int) -> list[Item]:
         """What `rank` receives from `bucket`, in wire order (identical computation on every rank)."""
@@ -217,20 +226,42 @@ def _expand_all(template: str, ranges: dict[str, range], fixed: dict[str, int] |
     return out
 
 
-def _targets(rules: FamilyRules, config: dict, ranges: dict[str, range]) -> tuple[list[Target], dict[str, str]]:
-    """Expanded targets, and the tied targets {alias: param it aliases} active for this config."""
+def _in_sets(rule: ParamRule, rules: FamilyRules, config: dict, ranges: dict[str, range]):
+    """A predicate on a target's loop values: does the target exist there (`only` / `unless` a [sets] name)?"""
+    checks = []
+    for set_name, want in ((rule.only, True), (rule.unless, False)):
+        if set_name is not None:
+            loop = rules.sets[set_name].loop
+            checks.append((loop, rules.members(config, set_name, ranges[loop]), want))
+    return lambda values: all((values[loop] in members) == want for loop, members, want in checks)
+
+
+def _expand_form(form: ParamRule, name: str, values: dict, ranges: dict[str, range]) -> Target:
+    if form.style == "expert" and not form.stacked:
+        per_expert = tuple(tuple(names.expand(p, **values, expert=e) for p in form.parts) for e in ranges["expert"])
+        return Target(name, form, tuple(s for ss in per_expert for s in ss), per_expert)
+    return Target(name, form, tuple(names.expand(p, **values) for p in form.parts))
+
+
+def _targets(rules: FamilyRules, config: dict, ranges: dict[str, range],
+             tensors) -> tuple[list[Target], dict[str, str]]:
+    """Expanded targets, and the tied targets {alias: param it aliases} active for this config.
+
+    A rule with alternative checkpoint forms (per-expert or stacked experts, ...) takes, per target, the
+    first form whose tensors are all in the checkpoint, else the most complete one (so `missing` names
+    what is really absent).
+    """
     tied = {t.target: t.to for t in rules.ties if config.get(t.when)}
     targets = []
     for rule in rules.params:
+        exists = _in_sets(rule, rules, config, ranges)
         for values, name in _expand_all(rule.target, ranges):
-            if name in tied:
+            if name in tied or not exists(values):
                 continue
-            if rule.style == "expert" and not rule.stacked:
-                per_expert = tuple(tuple(names.expand(p, **values, expert=e) for p in rule.parts)
-                                   for e in ranges["expert"])
-                targets.append(Target(name, rule, tuple(s for ss in per_expert for s in ss), per_expert))
-            else:
-                targets.append(Target(name, rule, tuple(names.expand(p, **values) for p in rule.parts)))
+            forms = [_expand_form(form, name, values, ranges) for form in rule.forms]
+            present = [sum(s in tensors for s in t.sources) for t in forms]
+            complete = [t for t, n in zip(forms, present) if n == len(t.sources)]
+            targets.append(complete[0] if complete else forms[present.index(max(present))])
     return targets, tied
 
 
@@ -345,31 +376,40 @@ def _layouts_for_target(target, index, rules, config, layout: Layout, hosts) -> 
                                    _local_shape(style, tuple(global_shape), lay), lay.padding))
         return specs, lays
     # Expert params: [local experts, *inner local shape], slots in ascending global id.
+    num_experts = rules.dim(config, "experts")
     g = layout.expert_group_size
-    inner = _effective_style(rule.inner, len(entries[0].shape) - (1 if rule.stacked else 0))
-    num_experts = len(hosts[0]) and max(max(h) for h in hosts if h) + 1
-    per_expert_parts = {}
-    for e in sorted({e for h in hosts for e in h}):
-        if rule.stacked:
-            (src,) = target.sources
-            shape = index[src].shape
-            rows_per = view2d(shape)[0] // shape[0]
-            per_expert_parts[e] = _logical_parts(target, [src], index, rules, config, row0=e * rows_per, rows=rows_per)
-        else:
-            per_expert_parts[e] = _logical_parts(target, list(target.expert_sources[e]), index, rules, config)
-    first = per_expert_parts[min(per_expert_parts)]
-    inner_global = (sum(p.rows for p in first),) + (entries[0].shape[-1],) if len(entries[0].shape) >= 2 else (first[0].rows,)
-    global_shape = (num_experts,) + inner_global
+    where = f"{target.name} (rule expert/{rule.inner} in {rules.source})"
+    if rule.stacked:
+        (src,) = target.sources
+        shape = tuple(index[src].shape)
+        if len(shape) < 2 or shape[0] != num_experts:
+            raise PlanError(f"{where}: {src} has shape {list(shape)}, but a stacked expert tensor has dim 0 = "
+                            f"num experts = {num_experts} (config.json); the checkpoint and config.json disagree")
+        one_expert = shape[1:]
+        rows_per = view2d(shape)[0] // num_experts
+        per_expert_parts = [_logical_parts(target, [src], index, rules, config, row0=e * rows_per, rows=rows_per)
+                            for e in range(num_experts)]
+    else:
+        per_expert_parts = [_logical_parts(target, list(target.expert_sources[e]), index, rules, config)
+                            for e in range(num_experts)]
+        one_expert = (sum(p.rows for p in per_expert_parts[0]),) + tuple(entries[0].shape[1:])
+        sizes_of = [tuple((p.rows, p.cols) for p in parts) for parts in per_expert_parts]
+        odd = [e for e in range(num_experts) if sizes_of[e] != sizes_of[0]]
+        if odd:
+            raise PlanError(f"{where}: experts {odd} have part shapes {sizes_of[odd[0]]} but expert 0 has "
+                            f"{sizes_of[0]}; every expert must have one shape (the checkpoint contradicts itself)")
+    inner = _effective_style(rule.inner, len(one_expert))
+    global_shape = (num_experts,) + tuple(one_expert)
     specs, lays = [], []
     for r in range(layout.world):
-        pieces, rows, cols = [], 0, 0
-        padding = ()
+        t = layout.rank_in_expert_group(r)
+        # Cut expert 0 too, so that a rank hosting no expert (EPLB) still gets its inner shape.
+        lay = cut(inner, per_expert_parts[0], g, t, f"{where} expert 0", label="tp-in-expert-group", **sizes)
+        pieces, rows, cols, padding = [], lay.rows, lay.cols, ()
         for slot, e in enumerate(hosts[r]):
-            lay = cut(inner, per_expert_parts[e], g, layout.rank_in_expert_group(r),
-                      f"{target.name} expert {e} (rule expert/{rule.inner})", label="tp-in-expert-group", **sizes)
+            lay = cut(inner, per_expert_parts[e], g, t, f"{where} expert {e}", label="tp-in-expert-group", **sizes)
             pieces += [Piece(p.source, p.rows, p.cols, p.dst_row + slot * lay.rows, p.dst_col) for p in lay.pieces]
-            rows, cols = lay.rows, lay.cols
-        inner_local = _local_shape(inner, inner_global, LocalLayout(rows, cols, ()))
+        inner_local = _local_shape(inner, tuple(one_expert), LocalLayout(rows, cols, ()))
         local_shape = (len(hosts[r]),) + inner_local
         lays.append(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding))
         specs.append(ParamSpec(target.name, "expert", dtype, global_shape, local_shape, (), None, hosts[r]))
@@ -436,13 +476,28 @@ def _buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: 
     return out
 
 
+def _relayout(t: Target, tensors, rules: FamilyRules, config: dict, q: int):
+    """Target t's (specs, layouts) on q ranks at tp q (ep 1): to name the group sizes a derived cut accepts."""
+    lay = Layout(world=q, tp=q)
+    hosts = expert_hosts(rules.dim(config, "experts"), lay) if t.rule.style == "expert" else None
+    return _layouts_for_target(t, tensors, rules, config, lay, hosts)
+
+
 def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
-               strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES) -> LoadPlan:
-    """Plan the whole load. `tensors` maps checkpoint names to entries (file, offset, dtype, shape, nbytes)."""
+               strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, quantize: str | None = None,
+               dequantize: bool = False) -> LoadPlan:
+    """Plan the whole load. `tensors` maps checkpoint names to entries (file, offset, dtype, shape, nbytes).
+
+    quantize ('fp8' | 'fp8-block'): quantize the linear weights on each rank as they land; dequantize:
+    turn an FP8 checkpoint's weights into BF16 (see quant_plan.py).
+    """
     ranges = _loop_ranges(rules, config)
-    targets, tied = _targets(rules, config, ranges)
+    targets, tied = _targets(rules, config, ranges, tensors)
+    # A quantized checkpoint's scales travel with their weights: targets derived from config.json.
+    scheme = quant_plan.checkpoint_scheme(config)
+    companions = quant_plan.companions(targets, tensors, scheme)
     claimed: dict[str, str] = {}
-    for t in targets:
+    for t in targets + companions:
         for s in t.sources:
             if s in claimed:
                 raise RuleError(f"{rules.source}: checkpoint tensor {s!r} is claimed by both {claimed[s]!r} and {t.name!r}")
@@ -452,7 +507,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     for alias in tied:
         for rule in rules.params:
             if rule.target == alias:
-                tied_sources.update(rule.parts)
+                tied_sources.update(p for form in rule.forms for p in form.parts)
     dropped = {n for n in tensors if any(names.match(t, n) is not None for t in rules.drop)}
     ignored = sorted(dropped | (tied_sources & set(tensors)))
     missing_by_target = {t.name: [s for s in t.sources if s not in tensors] for t in targets}
@@ -467,6 +522,8 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
         msg.append("fix: use the rules file for this architecture (--config PATH), or pass --no-strict to load what matches")
         raise PlanError("; ".join(msg))
     targets = [t for t in targets if not missing_by_target[t.name]]
+    by_name = {t.name: t for t in targets}
+    companions = [c for c in companions if c.weight in by_name]
 
     hosts = None
     if any(t.rule.style == "expert" for t in targets):
@@ -474,18 +531,25 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
 
     specs: list[dict[str, ParamSpec]] = [dict() for _ in range(layout.world)]
     deliveries: dict[str, list[Delivery]] = {}
-    for t in targets:
-        t_specs, lays = _layouts_for_target(t, tensors, rules, config, layout, hosts)
+    planned = {t.name: _layouts_for_target(t, tensors, rules, config, layout, hosts) for t in targets}
+    for c in companions:  # cut from the weight's own layout, so weight and scale shards always match
+        t = by_name[c.weight]
+        group = layout.expert_group_size if t.rule.style == "expert" else layout.tp
+        planned[c.name] = quant_plan.companion_layouts(c, t, *planned[c.weight], tensors, scheme, group,
+                                                       lambda q, t=t: _relayout(t, tensors, rules, config, q))
+    for name, (t_specs, lays) in planned.items():
         for r, (spec, lay) in enumerate(zip(t_specs, lays)):
-            specs[r][t.name] = spec
+            specs[r][name] = spec
             for piece in lay.pieces:
-                deliveries.setdefault(piece.source, []).append(Delivery(r, t.name, piece))
+                deliveries.setdefault(piece.source, []).append(Delivery(r, name, piece))
     for alias, to in tied.items():
         for r in range(layout.world):
             if to in specs[r]:
                 base = specs[r][to]
                 specs[r][alias] = ParamSpec(alias, base.style, base.dtype, base.global_shape, base.local_shape,
                                             base.padding, alias_of=to)
+    final, post, quantization = quant_plan.finalize(specs, planned, by_name, companions, tensors, scheme,
+                                                    quantize=quantize, dequantize=dequantize)
 
     sources = []
     for name in sorted(deliveries, key=lambda n: (tensors[n].file, tensors[n].offset)):
@@ -507,6 +571,9 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     notes = []
     if ignored:
         notes.append(f"ignored by rule: {names.describe(ignored)}")
-    return LoadPlan(family=rules.name, layout=layout, specs=tuple(specs), sources={s.name: s for s in sources},
+    if quantization:
+        notes.append(f"quantization: {quantization}")
+    return LoadPlan(family=rules.name, layout=layout, specs=tuple(final), sources={s.name: s for s in sources},
                     buckets=tuple(buckets), missing=tuple(missing), unexpected=tuple(unexpected),
-                    ignored=tuple(ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes))
+                    ignored=tuple(ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes),
+                    staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization)

@@ -20,6 +20,32 @@ checkpoint's config.json by small expressions, so a new dense architecture is a 
     parts = ["...q_proj.weight", "...k_proj.weight", "...v_proj.weight"]   # or one fused source
 
 A family may `extends = "llama"`: it starts from that file's tables and adds or replaces entries.
+
+Mixture-of-experts families add an `{expert}` loop and style `expert` (DESIGN §4.1): the param stacks the
+experts a rank hosts, each cut by `inner` (column / row / merged / replicate) inside its expert group.
+
+    [loops]
+    expert = "experts"
+    [params."model.layers.{layer}.mlp.experts.w13_weight"]
+    style = "expert"
+    inner = "merged"
+    parts = ["...experts.{expert}.gate_proj.weight", "...experts.{expert}.up_proj.weight"]
+    # The same param from another checkpoint form (here: experts stacked on disk, [experts, 2*I, H]); per
+    # target, the first form whose tensors are all in the checkpoint is used (else the most complete one,
+    # so that `missing` names what is really absent). Keys: parts, split, stacked; the rest is inherited.
+    [[params."model.layers.{layer}.mlp.experts.w13_weight".alternative]]
+    stacked = true                         # dim 0 of the source is the expert; each expert cut as above
+    parts = ["model.layers.{layer}.mlp.experts.gate_up_proj"]
+    split = ["moe_inter", "moe_inter"]     # rows per expert of each logical part
+
+Params that exist only on some layers (an MoE model with a few dense MLP layers) name a *set* of loop
+values computed from config.json, and say `only = "<set>"` or `unless = "<set>"`:
+
+    [sets.moe_layers]
+    loop = "layer"
+    every = "sparse_step"      # dim n: values v with (v + 1) % n == 0 (Qwen's decoder_sparse_step)
+    from = "first_dense"       # dim k: values v >= k (DeepSeek's first_k_dense_replace)
+    skip = "mlp_only_layers"   # config.json key holding a list of values left out (absent: none)
 """
 
 from __future__ import annotations
@@ -34,8 +60,10 @@ from .errors import RuleError
 
 STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "expert")
 INNER_STYLES = ("column", "row", "merged", "replicate")
-TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix"}
-PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked"}
+TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets"}
+PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless"}
+FORM_KEYS = {"parts", "split", "stacked"}      # what an `alternative` checkpoint form may change
+SET_KEYS = {"loop", "every", "from", "skip"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +76,24 @@ class ParamRule:
     inner: str | None = None        # for style "expert": how each expert is cut inside its group
     pad_to: int = 64                # for style "vocab": pad the vocab to a multiple of lcm(pad_to, tp)
     stacked: bool = False           # for style "expert": the source already stacks all experts on dim 0
+    alternatives: tuple["ParamRule", ...] = ()   # other checkpoint forms of the same target, in order
+    only: str | None = None         # a [sets] name: the target exists only for those loop values
+    unless: str | None = None       # a [sets] name: the target exists except for those loop values
+
+    @property
+    def forms(self) -> tuple["ParamRule", ...]:
+        """This rule and its alternative checkpoint forms, in order of preference."""
+        return (self,) + self.alternatives
+
+
+@dataclass(frozen=True)
+class LoopSet:
+    """A subset of one loop's values, from config.json (e.g. the MoE layers of a partly dense model)."""
+    name: str
+    loop: str
+    every: str | None = None        # dim n: (v + 1) % n == 0
+    start: str | None = None        # dim k: v >= k            (TOML key `from`)
+    skip: str | None = None         # config.json key of a list of values left out
 
 
 @dataclass(frozen=True)
@@ -67,12 +113,24 @@ class FamilyRules:
     drop: tuple[str, ...] = ()
     ties: tuple[Tie, ...] = ()
     params: tuple[ParamRule, ...] = ()
+    sets: dict[str, LoopSet] = field(default_factory=dict)
 
     def dim(self, config: dict, dim_name: str) -> int:
         """Evaluate a named dim against config.json; RuleError if no alternative is present."""
         if dim_name not in self.dims:
             raise RuleError(f"{self.source}: rule needs dim {dim_name!r}, which [dims] does not define")
         return eval_dim(self.dims[dim_name], config, f"{self.source} [dims] {dim_name}")
+
+    def members(self, config: dict, set_name: str, values: range) -> set[int]:
+        """The values of `values` (the loop's range) that belong to [sets] `set_name` for this config."""
+        s = self.sets[set_name]
+        every = self.dim(config, s.every) if s.every else 1
+        start = self.dim(config, s.start) if s.start else 0
+        skipped = (config.get(s.skip) or []) if s.skip else []
+        if every < 1 or not isinstance(skipped, list) or not all(isinstance(v, int) for v in skipped):
+            raise RuleError(f"{self.source}: [sets] {set_name}: config.json gives every={every}, {s.skip}={skipped!r}; "
+                            f"expected every >= 1 and a list of integers")
+        return {v for v in values if v >= start and (v + 1) % every == 0 and v not in skipped}
 
 
 def eval_dim(expr: str, config: dict, where: str) -> int:
@@ -123,7 +181,7 @@ def _merged_tables(path, seen=()) -> dict:
     if not base_path.is_file():
         raise RuleError(f"{path}: extends {parent!r}, but {base_path} does not exist")
     base = _merged_tables(base_path, seen + (parent,))
-    for key in ("dims", "loops", "params"):
+    for key in ("dims", "loops", "params", "sets"):
         base[key] = {**base.get(key, {}), **data.get(key, {})}
     base["drop"] = list(base.get("drop", [])) + list(data.get("drop", []))
     base["tie"] = list(base.get("tie", [])) + list(data.get("tie", []))
@@ -132,10 +190,53 @@ def _merged_tables(path, seen=()) -> dict:
     return base
 
 
+def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, dims: dict) -> dict:
+    """The checkpoint-form keys of a param table (parts, split, stacked), validated."""
+    raw_parts, raw_split = table.get("parts", [target]), table.get("split", [])
+    if not isinstance(raw_parts, list) or not raw_parts or not all(isinstance(p, str) for p in raw_parts):
+        raise RuleError(f"{where}: params.{target!r}: parts must be a non-empty list of names, got {raw_parts!r}")
+    if not isinstance(raw_split, list) or not all(isinstance(d, str) for d in raw_split):
+        raise RuleError(f"{where}: params.{target!r}: split must be a list of dim names, got {raw_split!r}")
+    parts, split = tuple(raw_parts), tuple(raw_split)
+    for dim_name in split:
+        if dim_name not in dims:
+            raise RuleError(f"{where}: params.{target!r}: split names dim {dim_name!r}, not in [dims]")
+    for template in parts + (target,):
+        for var in names.variables(template):
+            if var not in loops:
+                raise RuleError(f"{where}: {template!r} uses {{{var}}}, which [loops] does not define")
+    stacked = table.get("stacked", False)
+    if not isinstance(stacked, bool) or (stacked and style != "expert"):
+        raise RuleError(f"{where}: params.{target!r}: stacked = true only applies to style expert")
+    if style == "expert" and not stacked and not all("expert" in names.variables(p) for p in parts):
+        raise RuleError(f"{where}: params.{target!r}: expert parts need {{expert}} in their names, or stacked = true")
+    if stacked and (len(parts) != 1 or "expert" in names.variables(parts[0])):
+        raise RuleError(f"{where}: params.{target!r}: a stacked form has one source without {{expert}} "
+                        f"(dim 0 is the expert); use split for its logical parts")
+    return dict(parts=parts, split=split, stacked=stacked)
+
+
+def _parse_sets(data: dict, where: str) -> dict[str, LoopSet]:
+    out = {}
+    for set_name, table in data.get("sets", {}).items():
+        if not isinstance(table, dict) or set(table) - SET_KEYS or "loop" not in table:
+            raise RuleError(f"{where}: [sets.{set_name}] needs 'loop' and may have {sorted(SET_KEYS - {'loop'})}; "
+                            f"got {sorted(table) if isinstance(table, dict) else table!r}")
+        if table["loop"] not in data.get("loops", {}):
+            raise RuleError(f"{where}: [sets.{set_name}] loop {table['loop']!r} is not in [loops]")
+        for key in ("every", "from"):
+            if key in table and table[key] not in data.get("dims", {}):
+                raise RuleError(f"{where}: [sets.{set_name}] {key} names dim {table[key]!r}, not in [dims]")
+        out[set_name] = LoopSet(set_name, table["loop"], table.get("every"), table.get("from"), table.get("skip"))
+    return out
+
+
 def parse_rules(path) -> FamilyRules:
     """Parse and validate one family file (path or importlib resource)."""
     data = _merged_tables(path)
     where = str(path)
+    loops, dims = data.get("loops", {}), data.get("dims", {})
+    sets = _parse_sets(data, where)
     params = []
     for target, table in data.get("params", {}).items():
         if not isinstance(table, dict):
@@ -151,27 +252,30 @@ def parse_rules(path) -> FamilyRules:
             raise RuleError(f"{where}: params.{target!r} (style expert) needs inner = one of {INNER_STYLES}")
         if style != "expert" and inner is not None:
             raise RuleError(f"{where}: params.{target!r}: 'inner' only applies to style expert")
-        raw_parts, raw_split = table.get("parts", [target]), table.get("split", [])
-        if not isinstance(raw_parts, list) or not raw_parts or not all(isinstance(p, str) for p in raw_parts):
-            raise RuleError(f"{where}: params.{target!r}: parts must be a non-empty list of names, got {raw_parts!r}")
-        if not isinstance(raw_split, list) or not all(isinstance(d, str) for d in raw_split):
-            raise RuleError(f"{where}: params.{target!r}: split must be a list of dim names, got {raw_split!r}")
-        parts, split = tuple(raw_parts), tuple(raw_split)
+        for key in ("only", "unless"):
+            set_name = table.get(key)
+            if set_name is None:
+                continue
+            if set_name not in sets:
+                raise RuleError(f"{where}: params.{target!r}: {key} = {set_name!r}, which [sets] does not define")
+            if sets[set_name].loop not in names.variables(target):
+                raise RuleError(f"{where}: params.{target!r}: {key} = {set_name!r} is a set of "
+                                f"{{{sets[set_name].loop}}} values, which the target name does not use")
         pad_to = table.get("pad_to", 64)
         if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 1:
             raise RuleError(f"{where}: params.{target!r}: pad_to must be a positive integer, got {pad_to!r}")
-        for dim_name in split:
-            if dim_name not in data.get("dims", {}):
-                raise RuleError(f"{where}: params.{target!r}: split names dim {dim_name!r}, not in [dims]")
-        loops = data.get("loops", {})
-        for template in parts + (target,):
-            for var in names.variables(template):
-                if var not in loops:
-                    raise RuleError(f"{where}: {template!r} uses {{{var}}}, which [loops] does not define")
-        if style == "expert" and not all("expert" in names.variables(p) for p in parts) and not table.get("stacked"):
-            raise RuleError(f"{where}: params.{target!r}: expert parts need {{expert}} in their names, or stacked = true")
-        params.append(ParamRule(target=target, style=style, parts=parts, split=split, inner=inner,
-                                 pad_to=pad_to, stacked=bool(table.get("stacked", False))))
+        common = dict(target=target, style=style, inner=inner, pad_to=pad_to)
+        alternatives = table.get("alternative", [])
+        if isinstance(alternatives, dict):
+            alternatives = [alternatives]
+        forms = []
+        for alt in alternatives:
+            if not isinstance(alt, dict) or set(alt) - FORM_KEYS or "parts" not in alt:
+                raise RuleError(f"{where}: params.{target!r}: each alternative is a table with parts and optionally "
+                                f"split, stacked (the style is the param's); got {alt!r}")
+            forms.append(ParamRule(**common, **_parse_form(alt, target, style, where, loops, dims)))
+        params.append(ParamRule(**common, **_parse_form(table, target, style, where, loops, dims),
+                                alternatives=tuple(forms), only=table.get("only"), unless=table.get("unless")))
     for table_name in ("dims", "loops"):
         bad = {k: v for k, v in data.get(table_name, {}).items() if not isinstance(v, str)}
         if bad:
@@ -186,7 +290,7 @@ def parse_rules(path) -> FamilyRules:
         raise RuleError(f"{where}: a family file needs 'name' and 'architectures'")
     return FamilyRules(name=data["name"], source=where, architectures=tuple(data["architectures"]),
                        dims=dict(data.get("dims", {})), loops=dict(data.get("loops", {})),
-                       drop=tuple(data.get("drop", ())), ties=tuple(ties), params=tuple(params))
+                       drop=tuple(data.get("drop", ())), ties=tuple(ties), params=tuple(params), sets=sets)
 
 
 def shipped_families() -> list[FamilyRules]:

@@ -9,7 +9,9 @@ test reads its topology exactly as it would under torchrun.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 
 import torch.distributed as dist
@@ -22,14 +24,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, queue, init_group):
+def _entry(rank, world, port, fn, args, queue, init_group, store_file):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", CUDA_VISIBLE_DEVICES="",
     )
     try:
         if init_group:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
+            # A file store, not TCP: a free port picked here can be taken by a concurrent test before
+            # rank 0 binds it, and then ranks rendezvous with a stranger and hang.
+            dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
         queue.put((rank, "ok", fn(*args)))
     except BaseException as exc:  # reported to the parent, which re-raises with the rank named
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -47,7 +51,10 @@ def run_ranks(world: int, fn, *args, init_group: bool = True, timeout: float = 3
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, init_group)) for r in range(world)]
+    store_dir = tempfile.mkdtemp(prefix="distload-store-")
+    store_file = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, init_group, store_file))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, object]] = {}
@@ -60,6 +67,7 @@ def run_ranks(world: int, fn, *args, init_group: bool = True, timeout: float = 3
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     errors = {r: v for r, (s, v) in results.items() if s == "error"}
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(errors.items())))

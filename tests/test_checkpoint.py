@@ -424,7 +424,7 @@ def test_choose_strategy(tmp_path, monkeypatch):
     monkeypatch.setattr(psutil, "disk_partitions", lambda all=False: parts)
     assert choose_strategy(tmp_path, checkpoint_bytes=1)[0] == "prefetch"
     strategy, reason = choose_strategy(tmp_path, checkpoint_bytes=psutil.virtual_memory().total * 2)
-    assert strategy == "plain" and "nfs4" in reason
+    assert strategy == "threaded" and "nfs4" in reason  # too big to prefetch: concurrent preads instead
 
     parts[1] = FakePartition("/dev/vdb", str(tmp_path.resolve()), "xfs", "rw")
     strategy, reason = choose_strategy(tmp_path, checkpoint_bytes=1)

@@ -1,0 +1,66 @@
+"""Test-only fault injection: make one rank fail at a named point, so tests can prove the whole job ends.
+
+Off unless the environment sets `DISTLOAD_FAULT=ACTION@[rankR:]POINT[:N]` (tests/test_faults.py does):
+fire on rank R (default: any rank) at the N-th time (default 1) this process passes POINT.
+
+    ACTION  read-error  an OSError(EIO) where the OS would raise it (the reader's pread)
+            raise       a RuntimeError, as a bug or an unexpected condition would
+            kill        SIGKILL this process (the OOM killer, a lost node): no cleanup, no message
+            hang        sleep forever (a stuck file system): peers must give up at the timeout
+    POINT   read        each pread of a checkpoint file (reader ranks)
+            transfer    each bucket of the transfer loop, before the rank posts its part of it
+            <phase>     the agreement step that ends a phase: discover, planning, allocate, transfer,
+                        reconcile, save-sharded (write), ... (see loader.py and handoff.py)
+
+e.g. `read-error@rank0:read:3`, `raise@rank1:transfer:2`, `kill@rank1:save-sharded (write)`.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import signal
+import time
+
+ACTIONS = ("read-error", "raise", "kill", "hang")
+_passes: dict[str, int] = {}
+
+
+@functools.lru_cache(maxsize=4)
+def _parse(spec: str) -> tuple[str, int | None, str, int]:
+    action, _, where = spec.partition("@")
+    rank = None
+    if where.startswith("rank") and ":" in where:
+        head, _, where = where.partition(":")
+        rank = int(head[4:])
+    point, count = where, 1
+    head, _, tail = where.rpartition(":")
+    if head and tail.isdigit():
+        point, count = head, int(tail)
+    if action not in ACTIONS or not point:
+        raise ValueError(f"DISTLOAD_FAULT={spec!r}: expected ACTION@[rankR:]POINT[:N], ACTION one of {ACTIONS}")
+    return action, rank, point, count
+
+
+def hit(point: str) -> None:
+    """Pass `point`; fires the configured fault here if this is its rank and its N-th pass."""
+    spec = os.environ.get("DISTLOAD_FAULT")
+    if not spec:
+        return
+    action, rank, want, count = _parse(spec)
+    me = int(os.environ.get("RANK", "0"))
+    if want != point or (rank is not None and rank != me):
+        return
+    _passes[point] = _passes.get(point, 0) + 1
+    if _passes[point] != count:
+        return
+    what = f"injected fault DISTLOAD_FAULT={spec} on rank {me}"
+    if action == "read-error":
+        raise OSError(errno.EIO, f"Input/output error ({what})")
+    if action == "raise":
+        raise RuntimeError(what)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:  # hang
+        time.sleep(60)

@@ -1,0 +1,248 @@
+"""Post-load steps on each rank (DESIGN §2 step 6): what the transfer delivered -> what serving kernels want.
+
+The plan gives each rank a list of steps (quant_plan.Step, data); this module runs them with
+distload.kernels (Triton on CUDA, the torch references on CPU):
+
+    requantize        fused fp8 weight, one scale per part -> the same weight (in place), one scale
+    max               per-part static input scales -> their max
+    quantize          --quantize fp8: high-precision weight -> fp8 + one fp32 scale (per expert for experts)
+    quantize_block    --quantize fp8-block: -> fp8 + weight_scale_inv per [128, 128] block of the local shard
+    dequantize(_block)  --dequantize: fp8 weight and its scales -> BF16 weight
+
+Why steps run *during* the transfer: a step runs as soon as every one of its inputs has fully arrived
+(the transfer calls `on_bucket_done` after each bucket), and its inputs are allocated on their first
+write, not up front. So online quantization holds the high-precision copy of the params in flight —
+about one layer, since checkpoints store a layer's tensors together — never the whole model's, and the
+peak is counted here (`peak_input_bytes`) rather than guessed.
+
+Reconciliation checks the final params, but the transfer recorded what it wrote into the staging ones;
+`finish` carries that record over: a step's outputs count as written once when each of its inputs was
+written exactly once, twice when one was written twice, and not at all when one is incomplete.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+import torch
+
+from . import kernels
+from .dtypes import torch_dtype
+from .reconcile import coverage
+from .shard import view2d
+
+
+def _matrices(t: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [1, N, K]; [E, N, K] as it is: one code path for dense and expert weights."""
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
+def _requantize(step, finals, weight, scales):
+    w = _matrices(weight)
+    s = scales.reshape(w.shape[0], -1).float()
+    rows, parts = [r for r, _ in step.runs], [p for _, p in step.runs]
+    one = torch.empty(w.shape[0], dtype=torch.float32, device=weight.device)
+    for e in range(w.shape[0]):
+        _, one[e] = kernels.requantize_fp8_parts(w[e], rows, s[e, parts])  # rewrites w[e] in place
+    return weight, one
+
+
+def _max(step, finals, scales):
+    return scales.reshape(math.prod(finals[0].local_shape), -1).float().amax(dim=1)
+
+
+def _quantize(step, finals, weight):
+    if weight.dim() == 2:
+        return kernels.quantize_fp8_per_tensor(weight)
+    q = torch.empty(weight.shape, dtype=kernels.FP8_DTYPE, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for e in range(weight.shape[0]):  # one scale per expert: each is its own GEMM
+        q[e], scales[e] = kernels.quantize_fp8_per_tensor(weight[e])
+    return q, scales
+
+
+# Block kernels are called on bands of whole block rows (a block never crosses a band, so the result is the
+# same): the CPU references widen their input to fp32 several times over, and a band bounds that to ~4 MiB
+# per temporary instead of several copies of the largest matrix.
+BAND_ELEMS = 1 << 20
+
+
+def _bands(weight: torch.Tensor, block):
+    """(matrix, first row, last row) of bands of whole block rows down every matrix of `weight`."""
+    w = _matrices(weight)
+    n, k = w.shape[1:]
+    rows = max(1, BAND_ELEMS // max(1, k) // block[0]) * block[0]
+    for e in range(w.shape[0]):
+        for r0 in range(0, n, rows):
+            yield e, r0, min(n, r0 + rows)
+
+
+def _quantize_block(step, finals, weight):
+    bn = step.block[0]
+    q = torch.empty(weight.shape, dtype=kernels.FP8_DTYPE, device=weight.device)
+    s = torch.empty(kernels.block_scale_shape(weight.shape, step.block), dtype=torch.float32, device=weight.device)
+    wq, ws, w = _matrices(q), _matrices(s), _matrices(weight)
+    for e, r0, r1 in _bands(weight, step.block):
+        wq[e, r0:r1], ws[e, r0 // bn:-(-r1 // bn)] = kernels.quantize_fp8_block(w[e, r0:r1], step.block)
+    return q, s
+
+
+def _dequantize(step, finals, weight, scales, *input_scales):
+    dtype = torch_dtype(finals[0].dtype)
+    w = _matrices(weight)
+    s = scales.reshape(w.shape[0], -1)
+    out = torch.empty(w.shape, dtype=dtype, device=weight.device)
+    for e in range(w.shape[0]):
+        row = 0
+        for rows, part in step.runs:  # each part with its own scale: no requantization error on the way
+            out[e, row:row + rows] = kernels.dequantize_fp8_per_tensor(w[e, row:row + rows], s[e, part], dtype)
+            row += rows
+    return (out.reshape(weight.shape),)
+
+
+def _dequantize_block(step, finals, weight, scale_inv, *input_scales):
+    bn, dtype = step.block[0], torch_dtype(finals[0].dtype)
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    o, w, s = _matrices(out), _matrices(weight), _matrices(scale_inv)
+    for e, r0, r1 in _bands(weight, step.block):
+        o[e, r0:r1] = kernels.dequantize_fp8_block(w[e, r0:r1], s[e, r0 // bn:-(-r1 // bn)], step.block, dtype)
+    return (out,)
+
+
+OPS = {
+    "requantize": _requantize,
+    "max": lambda step, finals, scales: (_max(step, finals, scales),),
+    "quantize": _quantize,
+    "quantize_block": _quantize_block,
+    "dequantize": _dequantize,
+    "dequantize_block": _dequantize_block,
+}
+
+
+class Staging(dict):
+    """This rank's params by name; a post-load step's inputs are allocated on their first write."""
+
+    def __init__(self, post: "PostProcess"):
+        super().__init__()
+        self._post = post
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        return self._post._allocate(name)
+
+
+class PostProcess:
+    """Runs one rank's post-load steps as their inputs arrive; see the module docstring."""
+
+    def __init__(self, plan, rank: int, device):
+        self.staging, self.final = plan.staging_specs(rank), plan.specs[rank]
+        self.steps = plan.post[rank]
+        self.device = torch.device(device)
+        self.inputs = {n for step in self.steps for n in step.inputs}
+        last: dict[str, int] = {}
+        for bucket in plan.buckets:
+            for item in plan.items(bucket, rank):
+                last[item.param] = bucket.index
+        self.ready_at = [max(last.get(n, -1) for n in step.inputs) for step in self.steps]
+        self.pending = deque(sorted(range(len(self.steps)), key=lambda i: self.ready_at[i]))
+        self.done: set[str] = set()
+        self.params: Staging | None = None
+        self.into: dict | None = None
+        self.live_bytes = self.peak_input_bytes = self.input_bytes = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()  # the transfer's read-ahead thread may write params too
+
+    # -- params ---------------------------------------------------------------------------------------
+
+    def allocate(self, into: dict | None = None) -> Staging:
+        """Every staging param but the steps' inputs, now (the caller's tensor where it is the final one)."""
+        params = Staging(self)
+        for name, spec in self.staging.items():
+            if spec.alias_of or name in self.inputs:
+                continue
+            if into is not None:
+                params[name] = into[name]
+            else:
+                params[name] = torch.empty(spec.local_shape, dtype=torch_dtype(spec.dtype), device=self.device)
+        for name, spec in self.staging.items():
+            if spec.alias_of:
+                params[name] = params[spec.alias_of]
+        self.params, self.into = params, into
+        return params
+
+    def _allocate(self, name: str) -> torch.Tensor:
+        with self._lock:
+            if dict.__contains__(self.params, name):
+                return dict.__getitem__(self.params, name)
+            if name not in self.inputs:
+                raise KeyError(name)
+            if name in self.done:
+                raise RuntimeError(f"{name}: bytes arrived after its post-load step ran; the plan and the "
+                                   f"transfer disagree (a bug: please report it)")
+            spec = self.staging[name]
+            t = torch.empty(spec.local_shape, dtype=torch_dtype(spec.dtype), device=self.device)
+            dict.__setitem__(self.params, name, t)
+            self.live_bytes += t.nbytes
+            self.input_bytes += t.nbytes
+            self.peak_input_bytes = max(self.peak_input_bytes, self.live_bytes)
+            return t
+
+    # -- running steps --------------------------------------------------------------------------------
+
+    def on_bucket_done(self, bucket) -> None:
+        """The transfer finished this rank's share of `bucket`: run every step whose inputs are all in."""
+        while self.pending and self.ready_at[self.pending[0]] <= bucket.index:
+            self._run(self.steps[self.pending.popleft()])
+
+    def _run(self, step) -> None:
+        start = time.perf_counter()
+        finals = [self.final[n] for n in step.outputs]
+        outputs = OPS[step.op](step, finals, *(self.params[n] for n in step.inputs))
+        with self._lock:
+            for name in step.inputs:  # inputs are released (or become outputs below)
+                self.done.add(name)
+                self.live_bytes -= dict.pop(self.params, name).nbytes
+            for name, spec, t in zip(step.outputs, finals, outputs):
+                if tuple(t.shape) != tuple(spec.local_shape):
+                    t = t.reshape(spec.local_shape)  # scales: 0-d / [1] / per expert, as the plan says
+                if t.dtype != torch_dtype(spec.dtype):
+                    raise RuntimeError(f"post-load step {step.op} made {name} {t.dtype}, the plan says {spec.dtype}")
+                dict.__setitem__(self.params, name, t)
+        self.seconds += time.perf_counter() - start
+
+    def finish(self, written: dict) -> dict:
+        """Run what is left; return the transfer's record of written rectangles, carried over to the final
+        params (see the module docstring); copy into the caller's tensors where it gave some."""
+        while self.pending:
+            self._run(self.steps[self.pending.popleft()])
+        out = {name: list(rects) for name, rects in written.items() if name not in self.inputs}
+        for step in self.steps:
+            state = {name: self._state(name, written) for name in step.inputs}
+            for name in step.outputs:
+                others = [s for n, s in state.items() if n != name]
+                if name in state and all(s == "once" for s in others) and \
+                        self.staging[name].local_shape == self.final[name].local_shape:
+                    out[name] = list(written.get(name, []))  # rewritten in place: the transfer's own record
+                    continue
+                rows, cols = view2d(self.final[name].local_shape)
+                whole = (0, rows, 0, cols)
+                states = set(state.values())
+                out[name] = [] if "short" in states else [whole, whole] if "twice" in states else [whole]
+        if self.into is not None:
+            for name, t in list(self.params.items()):
+                if self.into[name] is not t:
+                    self.into[name].copy_(t)
+                    dict.__setitem__(self.params, name, self.into[name])
+        return out
+
+    def _state(self, name: str, written: dict) -> str:
+        rows, cols = view2d(self.staging[name].local_shape)
+        covered, twice = coverage(written.get(name, []), rows, cols)
+        return "short" if covered < rows * cols else "twice" if twice else "once"
+
+    def report(self) -> dict:
+        """This rank's numbers for the load report."""
+        return {"post_steps": len(self.steps), "post_seconds": round(self.seconds, 6),
+                "post_input_bytes": self.input_bytes, "post_peak_input_bytes": self.peak_input_bytes}

@@ -1,0 +1,213 @@
+"""`distload verify`: prove the loaded shards by the forward pass, against Hugging Face transformers.
+
+Byte-equal shards prove only that we cut the way we think we cut; a layout that is *consistently* wrong (kv
+head replication, fused qkv order, interleaved parts) shows up as wrong logits. So: load with distload, run
+distload.models.forward over the shards this rank holds (it never re-reads the checkpoint), and on rank 0
+compare with `AutoModelForCausalLM.from_pretrained` of the same checkpoint in float32 on the CPU. The verdict
+is broadcast, so every rank returns the same exit code.
+
+Error measure: max |ours - ref| / max |ref| over all logits (an elementwise ratio explodes on logits near
+zero and says nothing about the output); plus whether the argmax token of every position agrees.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from . import topology
+from .errors import DistloadError
+from .loader import run_load
+from .models import forward
+from .transfer import agree, broadcast_object
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome, identical on every rank. compared=False: transformers is not installed."""
+    compared: bool
+    ok: bool
+    max_abs: float | None = None
+    max_rel: float | None = None
+    argmax_same: bool | None = None
+    message: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+@dataclass
+class Verification:
+    verdict: Verdict
+    logits: torch.Tensor = field(repr=False)  # float32 [tokens, vocab_size] (padding removed), on every rank
+    tp: int = 1
+    ep: int = 1
+
+
+def parse_input_ids(text: str) -> list[int]:
+    """'1,17,42,7' -> [1, 17, 42, 7]."""
+    try:
+        ids = [int(tok) for tok in text.split(",") if tok.strip()]
+    except ValueError:
+        raise DistloadError(f"--input-ids {text!r}: expected comma-separated token ids, e.g. 1,17,42,7") from None
+    if not ids or min(ids) < 0:
+        raise DistloadError(f"--input-ids {text!r}: expected one or more non-negative token ids, e.g. 1,17,42,7")
+    return ids
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise DistloadError(f"--dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def local_expert_ids(specs: dict) -> list[int] | None:
+    """The global expert ids this rank hosts (the forward needs one list for every MoE layer)."""
+    hosted = {spec.experts for spec in specs.values() if spec.style == "expert"}
+    if not hosted:
+        return None
+    if len(hosted) > 1:
+        raise DistloadError(f"expert params of one rank host different experts {sorted(hosted)}; the reference "
+                            "forward needs the same experts in every MoE layer")
+    return list(hosted.pop())
+
+
+def compare(logits: torch.Tensor, ref: torch.Tensor, tolerance: float) -> Verdict:
+    """max abs / max rel (over max |ref|) error and argmax agreement; NaN never passes."""
+    diff = (logits.float() - ref.float()).abs().max().item()
+    scale = ref.abs().max().item()
+    rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    same = bool(torch.equal(logits.argmax(-1), ref.argmax(-1)))
+    ok = rel <= tolerance and same  # False for NaN
+    if ok:
+        message = f"OK: max rel err {rel:.3e} <= tolerance {tolerance:.1e}, argmax tokens agree"
+    else:
+        why = [f"max rel err {rel:.3e} > tolerance {tolerance:.1e}"] if not rel <= tolerance else []
+        if not same:
+            ours = logits.argmax(-1)
+            where = (ours != ref.argmax(-1)).nonzero().flatten()
+            # How much transformers prefers its own token over ours. Logits within tolerance and a gap below the
+            # max abs error: a near tie that low-precision compute can flip, not a wrong layout.
+            gap = (ref[where].max(-1).values - ref[where, ours[where]]).max().item()
+            near_tie = rel <= tolerance and gap <= diff
+            why.append(f"argmax differs at positions {where.tolist()} (transformers' logit for its token exceeds "
+                       f"its logit for ours by up to {gap:.3e}; max abs err {diff:.3e}"
+                       + (": a near tie)" if near_tie else ")"))
+        message = ("FAIL: " + "; ".join(why) + ": the loaded shards do not compute the checkpoint's model (check the "
+                   "rules file: part order of fused params, kv head replication, per-part splits; and the expert "
+                   "placement)")
+    return Verdict(compared=True, ok=ok, max_abs=diff, max_rel=rel, argmax_same=same, message=message)
+
+
+def reference_logits(path: str, input_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [tokens, vocab] for one sequence, from the checkpoint on disk (offline)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    except (OSError, ValueError) as exc:
+        raise DistloadError(f"transformers cannot load {path} ({type(exc).__name__}: {exc}); verify compares against "
+                            "a Hugging Face checkpoint directory (config.json + weights)") from exc
+    with torch.no_grad():
+        return model(torch.tensor([input_ids])).logits[0].float()
+
+
+def save_logits(path: str, logits: torch.Tensor, input_ids: list[int], source: str) -> None:
+    """One tensor `logits` [tokens, vocab] float32; written under a temporary name, then renamed."""
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file({"logits": logits.detach().to("cpu", torch.float32).contiguous()}, tmp,
+              metadata={"input_ids": ",".join(map(str, input_ids)), "source": source})
+    os.replace(tmp, path)
+
+
+def _summary(logits: torch.Tensor) -> str:
+    return (f"min {logits.min().item():.4f}, max {logits.max().item():.4f}, mean {logits.mean().item():.4f}, "
+            f"argmax {logits.argmax(-1).tolist()}")
+
+
+def _judge(path: str, logits: torch.Tensor, input_ids: list[int], tolerance: float, logits_file: str | None,
+           header: str) -> Verdict:
+    """Rank 0: save, compare with transformers (when installed), print; the verdict for every rank."""
+    print(header, flush=True)
+    print(f"  distload logits [{logits.shape[0]}, {logits.shape[1]}]: {_summary(logits)}", flush=True)
+    if logits_file:
+        save_logits(logits_file, logits, input_ids, path)
+        print(f"  saved logits to {logits_file}", flush=True)
+    if importlib.util.find_spec("transformers") is None:
+        verdict = Verdict(compared=False, ok=True,
+                          message="transformers is not installed: comparison skipped (pip install transformers)")
+    else:
+        ref = reference_logits(path, input_ids)
+        if ref.shape != logits.shape:
+            raise DistloadError(f"transformers' logits have shape {list(ref.shape)}, distload's {list(logits.shape)}: "
+                                "config.json vocab_size does not match the model transformers built")
+        print(f"  transformers logits: {_summary(ref)}", flush=True)
+        verdict = compare(logits.cpu(), ref, tolerance)
+        print(f"  max abs err {verdict.max_abs:.3e}, max rel err {verdict.max_rel:.3e} "
+              f"(max |distload - transformers| / max |transformers|), argmax same: {verdict.argmax_same}", flush=True)
+    print(f"distload verify: {verdict.message}", flush=True)
+    return verdict
+
+
+def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance: float = 2e-2,
+           logits_file: str | None = None, **load_options) -> Verification:
+    """Load `path`, run the TP forward on every rank, judge on rank 0; the same Verification on every rank.
+
+    load_options: as distload.load (tp, ep, readers, config, strict, device, ...). Collective: every rank of
+    the job calls it.
+    """
+    torch_dt = compute_dtype(dtype)
+    if load_options.get("quantize"):
+        raise DistloadError(f"verify --quantize {load_options['quantize']}: the reference forward computes with the "
+                            "checkpoint's weights, not fp8 ones and their scales; verify without --quantize")
+    # The forward splits over the whole world; data-parallel replicas (tp < world) would need a TP subgroup.
+    layout = topology.from_environment(tp=load_options.get("tp"), ep=load_options.get("ep", 1)).layout
+    if layout.tp != layout.world:
+        raise DistloadError(f"verify --tp {layout.tp} on {layout.world} ranks: verify runs one tensor-parallel "
+                            f"group; launch {layout.tp} ranks (torchrun --nproc-per-node {layout.tp}) or pass "
+                            f"--tp {layout.world}")
+    result = run_load(path, **load_options)
+    layout, rank, config = result.plan.layout, result.rank, result.config
+
+    logits, error = None, None
+    try:
+        vocab = config["vocab_size"]
+        if max(input_ids) >= vocab:
+            raise DistloadError(f"--input-ids: token id {max(input_ids)} is outside the vocabulary "
+                                f"(config.json vocab_size={vocab}); use ids in 0..{vocab - 1}")
+        device = next(iter(result.params.values())).device
+        logits = forward(result.params, config, torch.tensor(input_ids, device=device), tp_rank=layout.tp_rank(rank),
+                         tp_size=layout.tp, local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep,
+                         dtype=torch_dt)
+    except Exception as exc:  # every rank must reach the agreement step
+        error = exc
+    agree("forward", error)
+
+    verdict, error = None, None
+    if rank == 0:
+        header = (f"distload verify: {path}: {len(input_ids)} tokens, vocab {config['vocab_size']}, "
+                  f"world {layout.world} (tp {layout.tp}, ep {layout.ep}), forward in {dtype}")
+        try:
+            verdict = _judge(path, logits, input_ids, tolerance, logits_file, header)
+        except Exception as exc:
+            error = exc
+    agree("compare", error)
+    verdict = broadcast_object(verdict, src=0)
+    return Verification(verdict=verdict, logits=logits, tp=layout.tp, ep=layout.ep)
+
+
+def run_verify(args) -> int:
+    """The CLI subcommand: exit code 0 if distload's forward matches transformers (or it was not installed)."""
+    from .cli import _load_kwargs
+
+    options = _load_kwargs(args)
+    return verify(args.path, input_ids=parse_input_ids(args.input_ids), dtype=args.dtype, tolerance=args.tolerance,
+                  logits_file=args.save_logits, **options).verdict.exit_code
