@@ -649,3 +649,33 @@ def test_expert_hosts_eplb_with_a_replicated_expert():
 def test_expert_hosts_invalid_maps(ep, emap, needle):
     with pytest.raises(PlanError, match=needle):
         expert_hosts(4, Layout(world=4, tp=4, ep=ep, expert_map=emap))
+
+
+_PLAN_DIGEST = """
+import hashlib, sys
+from distload.checkpoint import discover
+from distload.plan import build_plan
+from distload.rules import rules_for
+from distload.topology import Layout
+idx = discover(sys.argv[1])
+plan = build_plan(idx.tensors, idx.config, rules_for(idx.config),
+                  Layout(world=4, tp=4, ep=int(sys.argv[2]), readers=(0, 2)), staging_bytes=50000)
+print(hashlib.sha256(repr((plan.specs, plan.sources, plan.buckets)).encode()).hexdigest())
+"""
+
+
+def test_plan_is_identical_across_processes_with_different_hash_seeds(dense_checkpoints, tmp_path):
+    """Ranks are separate processes with their own PYTHONHASHSEED: any set-ordered iteration in planning
+    would give ranks different plans, and a hang in the transfer. The plan must not depend on it."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_models import save_checkpoint
+
+    moe = save_checkpoint("qwen2_moe", tmp_path / "moe")
+    for path, ep in ((dense_checkpoints["qwen3"], 1), (str(moe), 2)):
+        digests = {subprocess.run([sys.executable, "-c", _PLAN_DIGEST, path, str(ep)], capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONHASHSEED": str(seed)}, check=True).stdout.strip()
+                   for seed in (1, 2, 3)}
+        assert len(digests) == 1, (path, digests)
