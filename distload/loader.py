@@ -22,7 +22,7 @@ from .postprocess import PostProcess
 from .reconcile import Verdict, reconcile
 from .report import PhaseClock, Progress, build_report, rank_record, summary_line, write_report
 from .rules import rules_for
-from .transfer import Transfer, agree, all_gather_objects, broadcast_object, zero_padding
+from .transfer import agree_on_plan, Transfer, agree, all_gather_objects, broadcast_object, zero_padding
 
 log = logging.getLogger("distload")
 
@@ -128,6 +128,7 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
                           quantize=quantize, dequantize=dequantize)
 
     plan = _phase("planning", make_plan)
+    agree_on_plan(plan)
     specs = plan.specs[rank]
     for note in plan.notes:
         log.info(note)

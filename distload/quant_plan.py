@@ -88,6 +88,13 @@ class Step:
     block: tuple[int, int] | None = None
 
 
+def _spec(*args, **kwargs):
+    """A plan.ParamSpec (imported here, not at the top: plan.py imports this module)."""
+    from .plan import ParamSpec
+
+    return ParamSpec(*args, **kwargs)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Which scheme
 
@@ -219,8 +226,6 @@ def companion_layouts(c: Companion, target, weight_specs: list, weight_lays: lis
 
 
 def _per_part_layouts(c: Companion, target, weight_specs, tensors):
-    from .plan import ParamSpec
-
     scale_of = dict(c.scale_of)
     entries = [tensors[s] for s in c.sources]
     not_scalar = [f"{e.name}{list(e.shape)}" for e in entries if math.prod(e.shape) != 1]
@@ -242,18 +247,18 @@ def _per_part_layouts(c: Companion, target, weight_specs, tensors):
                            for slot, e in enumerate(w.experts) for j, s in enumerate(target.expert_sources[e]))
             lays.append(LocalLayout(*view2d(shape), pieces))
             glob = (w.global_shape[0], n_parts) if n_parts > 1 else (w.global_shape[0],)
-            specs.append(ParamSpec(c.name, "expert", dtypes[0], glob, shape, experts=w.experts))
+            specs.append(_spec(c.name, "expert", dtypes[0], glob, shape, experts=w.experts))
         return specs, lays
     if len(c.sources) == 1:  # one source (also a fused one on disk): its scalar, as it is, on every rank
         (entry,) = entries
         for _ in weight_specs:
             lays.append(LocalLayout(1, 1, (Piece(entry.name, (0, 1), (0, 1), 0, 0),)))
-            specs.append(ParamSpec(c.name, "replicate", entry.dtype, tuple(entry.shape), tuple(entry.shape)))
+            specs.append(_spec(c.name, "replicate", entry.dtype, tuple(entry.shape), tuple(entry.shape)))
         return specs, lays
     shape = (len(c.sources),)
     for _ in weight_specs:
         lays.append(LocalLayout(len(c.sources), 1, tuple(Piece(s, (0, 1), (0, 1), i, 0) for i, s in enumerate(c.sources))))
-        specs.append(ParamSpec(c.name, "replicate", dtypes[0], shape, shape))
+        specs.append(_spec(c.name, "replicate", dtypes[0], shape, shape))
     return specs, lays
 
 
@@ -305,8 +310,6 @@ def _block_pieces(lay: LocalLayout, spec, scale_of: dict, tensors: dict, block) 
 
 
 def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, scheme: Scheme, group: int, relayout):
-    from .plan import ParamSpec
-
     block = scheme.block
     scale_of = dict(c.scale_of)
     for w_src, s_src in c.scale_of:
@@ -333,7 +336,7 @@ def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, sch
         else:
             glob = (rows, cols)
         lays.append(LocalLayout(*view2d(local), ps))
-        specs.append(ParamSpec(c.name, w.style, dtypes[0], glob, local, experts=w.experts))
+        specs.append(_spec(c.name, w.style, dtypes[0], glob, local, experts=w.experts))
     return specs, lays
 
 
@@ -483,8 +486,6 @@ def _online(final: list[dict], steps: list[list[Step]], scheme: Scheme) -> None:
             else:  # one scale per rank-local matrix: per expert for experts, else one scalar
                 local, glob = ((len(w.experts),), (w.global_shape[0],)) if experts else ((), ())
                 op = "quantize"
-            from .plan import ParamSpec
-
-            specs[scale] = ParamSpec(scale, w.style, SCALE_DTYPE, glob, local, experts=w.experts)
+            specs[scale] = _spec(scale, w.style, SCALE_DTYPE, glob, local, experts=w.experts)
             specs[name] = replace(w, dtype=FP8)
             steps[r].append(Step(op, (name,), (name, scale), block=scheme.block))

@@ -107,6 +107,18 @@ def all_gather_objects(obj) -> list:
     return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
+def _failure_records(mine: str | None) -> list:
+    """Every rank's failure message (None: fine). One small all-reduce when all are fine, as they nearly
+    always are; the messages themselves are gathered only when some rank failed."""
+    if not _active():
+        return [mine]
+    failed = torch.tensor([0 if mine is None else 1], dtype=torch.int64, device=_object_device())
+    dist.all_reduce(failed, op=dist.ReduceOp.SUM)
+    if int(failed.item()) == 0:
+        return [None] * dist.get_world_size()
+    return all_gather_objects(mine)
+
+
 def agree(phase: str, error: BaseException | None) -> None:
     """The agreement step that ends every phase: if any rank failed, every rank raises, naming it.
 
@@ -125,7 +137,7 @@ def agree(phase: str, error: BaseException | None) -> None:
     if mine is not None:
         _tell_store(step, mine)  # so that peers learn why even if the collective below breaks
     try:
-        records = all_gather_objects(mine)
+        records = _failure_records(mine)
     except Exception as exc:  # a peer died or hung past the timeout during this very step
         raise _postmortem(phase, step, LostPeer(f"agreeing on {phase}", exc)) from exc
     failures = {r: m for r, m in enumerate(records) if m is not None}
@@ -228,6 +240,23 @@ def report_together(seconds: float = 3.0) -> None:
             time.sleep(0.02)
     except Exception:  # the store went with its host: nobody left to wait for
         pass
+
+
+def agree_on_plan(plan) -> None:
+    """Every rank must hold the same plan: no control message ever travels, so ranks that planned
+    differently (different distload versions or rules files on different nodes) would wait forever for
+    bytes nobody sends. A digest of the wire schedule, compared once, turns that hang into an error."""
+    import hashlib
+
+    digest = hashlib.sha256(repr((plan.buckets, [len(s) for s in plan.specs])).encode()).hexdigest()[:16]
+    digests = all_gather_objects(digest)
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        raise RankFailure("ranks computed different load plans (" + "; ".join(f"ranks {rs}: plan {d}" for d, rs in
+                          groups.items()) + "): check that every node runs the same distload version, rules file "
+                          "(--config) and options")
 
 
 def barrier() -> None:

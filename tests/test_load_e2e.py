@@ -218,3 +218,20 @@ def test_several_readers_and_legacy_bin(dense_checkpoints, tmp_path):
         assert sum(1 for b in reads if b > 0) == readers, (fam, readers, reads)   # every reader took a share
         assert max(reads) <= 0.75 * sum(reads), (fam, readers, reads)           # ... and nobody took it all
     assert all(r["opened"] > 0 for r in results)   # with readers == world every rank reads some file
+
+
+def _load_with_rank_dependent_staging(path: str) -> str:
+    import torch.distributed as dist
+
+    import distload
+
+    try:
+        distload.load(path, staging_mib=0.01 if dist.get_rank() == 0 else 0.02, progress=False)
+    except distload.DistloadError as exc:
+        return str(exc)
+    return "loaded?!"
+
+
+def test_ranks_with_different_plans_fail_instead_of_hanging(dense_checkpoints):
+    messages = run_ranks(2, _load_with_rank_dependent_staging, dense_checkpoints["llama"], timeout=120)
+    assert all("ranks computed different load plans" in m for m in messages), messages
