@@ -23,7 +23,10 @@ from .rules import FamilyRules, ParamRule
 from .shard import LocalLayout, Part, Piece, cut, view2d
 from .topology import Layout
 
-DEFAULT_STAGING_BYTES = 32 << 20
+# One bucket (a reader reads it into one staging slot; a rank holds a few: see transfer.py). Measured on
+# a 1 GiB Llama at 4 ranks (scripts/bench.py, BENCHMARKS.md): 8, 16 and 32 MiB load in the same time within
+# noise, and each doubling costs ~30 MiB more peak RSS per rank; smaller buckets mean more messages.
+DEFAULT_STAGING_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,12 @@ def _logical_parts(target: Target, sources: list[str], index: dict, rules: Famil
             raise PlanError(f"{where}: {sources[0]} has {shapes[0][0]} rows but split {list(rule.split)} = {sizes} "
                             f"adds up to {sum(sizes)}; config.json and the checkpoint disagree")
         return [Part(sources[0], sum(sizes[:i]), n, cols) for i, n in enumerate(sizes)]
+    if rule.split and len(rule.split) == len(sources):
+        # Separate parts with declared sizes (e.g. gate/up = intermediate_size): check them against config.json.
+        for src, (r, _), dim_name in zip(sources, shapes, rule.split):
+            if r != rules.dim(config, dim_name):
+                raise PlanError(f"{where}: {src} has {r} rows but config.json says {dim_name} = "
+                                f"{rules.dim(config, dim_name)}; config.json and the checkpoint disagree")
     return [Part(s, 0, r, cols) for s, (r, _) in zip(sources, shapes)]
 
 

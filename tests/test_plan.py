@@ -679,3 +679,18 @@ def test_plan_is_identical_across_processes_with_different_hash_seeds(dense_chec
                                   env={**os.environ, "PYTHONHASHSEED": str(seed)}, check=True).stdout.strip()
                    for seed in (1, 2, 3)}
         assert len(digests) == 1, (path, digests)
+
+
+def test_config_intermediate_size_contradicting_gate_up_is_refused(dense_checkpoints):
+    from distload.checkpoint import discover
+    from distload.errors import PlanError
+    from distload.plan import build_plan
+    from distload.rules import rules_for
+    from distload.topology import Layout
+
+    for fam in ("llama", "phi3"):
+        idx = discover(dense_checkpoints[fam])
+        config = {**idx.config, "intermediate_size": idx.config["intermediate_size"] * 2}
+        with pytest.raises(PlanError, match="config.json and the checkpoint disagree") as err:
+            build_plan(idx.tensors, config, rules_for(config), Layout(world=2, tp=2))
+        assert "gate" in str(err.value) and "intermediate" in str(err.value)
