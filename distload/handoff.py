@@ -456,11 +456,10 @@ def load_sharded(path: str, *, tp: int | None = None, ep: int = 1, reshard: bool
 
     from . import topology as topo_mod
     from .checkpoint import RangeReader, choose_strategy
-    from .loader import LoadResult, _check_into, _phase, allocate
+    from .loader import LoadResult, _check_into, _phase, allocate, hand_off, transfer_phase
     from .plan import DEFAULT_STAGING_BYTES
     from .reconcile import reconcile
-    from .report import PhaseClock, Progress, build_report, rank_record, summary_line, write_report
-    from .transfer import Transfer, zero_padding
+    from .report import PhaseClock, build_report, rank_record
 
     clock = PhaseClock()
     topo = topo_mod.from_environment(tp=tp, ep=ep, device=device, backend=backend, timeout_s=timeout_s,
@@ -498,29 +497,19 @@ def load_sharded(path: str, *, tp: int | None = None, ep: int = 1, reshard: bool
     params = _phase("allocate", lambda: allocate(specs, topo.device) if into is None else _check_into(into, specs))
     clock.lap("allocate")
 
-    reader, transfer, verified = None, None, 0
+    verified = 0
 
-    def move():
-        nonlocal reader, transfer, verified
-        if any(b.reader == rank for b in plan.buckets):
-            strategy = read_strategy or choose_strategy(str(root), plan.checkpoint_bytes)[0]
-            reader = RangeReader(str(root), strategy=strategy)
-            if checksums:
-                reader = ChecksumReader(reader, _expected_checksums(plan, rank, manifest))
-        bar = Progress(plan.checkpoint_bytes, enabled=progress and rank == 0)
-        transfer = Transfer(plan, rank, params, reader=reader, device=topo.device, progress=bar if rank == 0 else None)
-        transfer.run()
-        zero_padding(params, specs, transfer.stats)
-        if transfer.error is not None:
-            raise transfer.error
+    def open_reader():
+        strategy = read_strategy or choose_strategy(str(root), plan.checkpoint_bytes)[0]
+        reader = RangeReader(str(root), strategy=strategy)
+        return ChecksumReader(reader, _expected_checksums(plan, rank, manifest)) if checksums else reader
+
+    def count_verified(reader):
+        nonlocal verified
         if isinstance(reader, ChecksumReader):
             verified = reader.verify()
 
-    try:
-        _phase("transfer", move)
-    finally:
-        if reader is not None:
-            reader.close()
+    reader, transfer = transfer_phase(plan, topo, params, open_reader, progress, after_transfer=count_verified)
     clock.lap("transfer")
 
     verdict = _phase("reconcile", lambda: reconcile(plan, rank, params, transfer.stats.written, strict=strict))
@@ -531,14 +520,8 @@ def load_sharded(path: str, *, tp: int | None = None, ep: int = 1, reshard: bool
                                  extra={"saved_topology": saved, "resharded": resharded, "checksums": checksums})
     result = LoadResult(params=params, specs=specs, report=result_report, plan=plan, verdict=verdict,
                         config=manifest["hf_config"], rank=rank)
-    if save_sharded:
+
+    def save():
         _save(save_sharded, rank, params, specs, plan, manifest["hf_config"],
-                                  manifest.get("source_checkpoint", str(root)), manifest.get("checkpoint_tensors"))
-        clock.lap("save")
-        result_report["seconds"] = clock.as_dict()
-        result_report["saved_to"] = str(Path(save_sharded).absolute())
-    if rank == 0:
-        if report:
-            write_report(result_report, report)
-        print(summary_line(result_report), flush=True)
-    return result
+              manifest.get("source_checkpoint", str(root)), manifest.get("checkpoint_tensors"))
+    return hand_off(result, clock, save if save_sharded else None, save_sharded, report)

@@ -154,32 +154,18 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     params = _phase("allocate", make_params)
     clock.lap("allocate")
 
-    reader, transfer = None, None
+    def open_reader():
+        if read_strategy:
+            strategy = read_strategy
+            log.info("read strategy %s: forced by --read-strategy", strategy)
+        else:
+            strategy, _ = choose_strategy(index.root, index.total_bytes)  # logs its reason
+        from .dcp import DcpIndex, DcpReader
 
-    def move():
-        nonlocal reader, transfer
-        if topo.is_reader:
-            if read_strategy:
-                strategy = read_strategy
-                log.info("read strategy %s: forced by --read-strategy", strategy)
-            else:
-                strategy, _ = choose_strategy(index.root, index.total_bytes)  # logs its reason
-            from .dcp import DcpIndex, DcpReader
+        return DcpReader(index, strategy) if isinstance(index, DcpIndex) else RangeReader(index.root, strategy=strategy)
 
-            reader = DcpReader(index, strategy) if isinstance(index, DcpIndex) else RangeReader(index.root, strategy=strategy)
-        bar = Progress(plan.checkpoint_bytes, enabled=progress and rank == 0)
-        transfer = Transfer(plan, rank, params, reader=reader, device=topo.device,
-                            progress=bar if rank == 0 else None, on_bucket_done=post and post.on_bucket_done)
-        transfer.run()
-        zero_padding(params, plan.staging_specs(rank), transfer.stats)
-        if transfer.error is not None:
-            raise transfer.error
-
-    try:
-        _phase("transfer", move)
-    finally:
-        if reader is not None:
-            reader.close()
+    reader, transfer = transfer_phase(plan, topo, params, open_reader, progress,
+                                      on_bucket_done=post and post.on_bucket_done)
     clock.lap("transfer")
 
     written = transfer.stats.written
@@ -203,17 +189,54 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
                                  extra={"quantization": plan.quantization})
     result = LoadResult(params=params, specs=specs, report=result_report, plan=plan, verdict=verdict,
                         config=index.config, rank=rank)
-    if save_sharded:
-        from .handoff import save_sharded as save
 
-        save(save_sharded, rank, params, specs, plan, index.config, str(index.root))
+    def save():
+        from .handoff import save_sharded as save_to
+
+        save_to(save_sharded, rank, params, specs, plan, index.config, str(index.root))
+    return hand_off(result, clock, save if save_sharded else None, save_sharded, report)
+
+
+def transfer_phase(plan: LoadPlan, topo, params: dict[str, torch.Tensor], open_reader, progress: bool,
+                   on_bucket_done=None, after_transfer=None):
+    """Phase 5 on this rank: a rank with buckets to read opens its reader, every rank runs the transfer,
+    padding is zeroed, and all ranks agree; returns (reader, transfer) for the report."""
+    rank = topo.rank
+    reader, transfer = None, None
+
+    def move():
+        nonlocal reader, transfer
+        if any(b.reader == rank for b in plan.buckets):
+            reader = open_reader()
+        bar = Progress(plan.checkpoint_bytes, enabled=progress and rank == 0)
+        transfer = Transfer(plan, rank, params, reader=reader, device=topo.device,
+                            progress=bar if rank == 0 else None, on_bucket_done=on_bucket_done)
+        transfer.run()
+        zero_padding(params, plan.staging_specs(rank), transfer.stats)
+        if transfer.error is not None:
+            raise transfer.error
+        if after_transfer is not None:
+            after_transfer(reader)
+
+    try:
+        _phase("transfer", move)
+    finally:
+        if reader is not None:
+            reader.close()
+    return reader, transfer
+
+
+def hand_off(result: LoadResult, clock: PhaseClock, save, save_to: str | None, report_path: str | None) -> LoadResult:
+    """Phase 8: the sharded save (collective) if asked, then the report file and rank 0's summary line."""
+    if save is not None:
+        save()
         clock.lap("save")
-        result_report["seconds"] = clock.as_dict()
-        result_report["saved_to"] = str(Path(save_sharded).absolute())
-    if rank == 0:
-        if report:
-            write_report(result_report, report)
-        print(summary_line(result_report), flush=True)
+        result.report["seconds"] = clock.as_dict()
+        result.report["saved_to"] = str(Path(save_to).absolute())
+    if result.rank == 0:
+        if report_path:
+            write_report(result.report, report_path)
+        print(summary_line(result.report), flush=True)
     return result
 
 
