@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checks import differences
 from spawn import run_ranks
 
 WEIGHT_SUFFIXES = (".safetensors", ".distcp")
@@ -40,17 +41,6 @@ def _oracle(path: str, tp_rank: int, tp: int, ep: int = 1) -> dict:
     from layout_oracle import serving_shards
 
     return serving_shards(checkpoint_tensors(path), read_config(path), tp_rank, tp, ep_size=ep)
-
-
-def _differences(got: dict, want: dict, where: str) -> list[str]:
-    problems = []
-    if sorted(got) != sorted(want):
-        problems.append(f"{where}: names differ: extra {sorted(set(got) - set(want))}, "
-                        f"missing {sorted(set(want) - set(got))}")
-    for name in sorted(set(got) & set(want)):
-        if got[name].shape != want[name].shape or not torch.equal(got[name], want[name]):
-            problems.append(f"{where}: {name} differs (got {list(got[name].shape)}, want {list(want[name].shape)})")
-    return problems
 
 
 def _refusal(fn) -> str:
@@ -84,7 +74,7 @@ def _on_two_ranks_first(ckpts: dict, saves: str, dcp_single: str, dcp_root: str)
         distload.load(ckpts[fam], tp=2, save_sharded=str(out), progress=False)
         opened = _record_opens(out)
         again = distload.load(str(out), progress=False)
-        problems += _differences(again.params, _oracle(ckpts[fam], rank, 2), f"{fam} reload w2 rank{rank}")
+        problems += differences(again.params, _oracle(ckpts[fam], rank, 2), f"{fam} reload w2 rank{rank}")
         if sorted(set(opened)) != [f"rank-{rank:05d}-of-00002.safetensors"]:
             problems.append(f"{fam} reload w2 rank{rank} opened {sorted(set(opened))}")
 
@@ -97,7 +87,7 @@ def _on_two_ranks_first(ckpts: dict, saves: str, dcp_single: str, dcp_root: str)
     for label, path, fam in (("single", dcp_single, "llama"), ("fsdp", str(dcp_sharded), "qwen3")):
         opened = _record_opens(path)
         result = distload.load(path, tp=2, hf_config=ckpts[fam], progress=False)
-        problems += _differences(result.params, _oracle(ckpts[fam], rank, 2), f"dcp {label} rank{rank}")
+        problems += differences(result.params, _oracle(ckpts[fam], rank, 2), f"dcp {label} rank{rank}")
         reports[label] = (result.report, sorted(set(opened)))
     return {"problems": problems, "dcp": reports}
 
@@ -114,22 +104,22 @@ def _on_four_ranks(ckpts: dict, saves: str) -> dict:
     distload.load(ckpts["llama"], tp=4, save_sharded=str(out), progress=False)
     opened = _record_opens(out)
     again = distload.load(str(out), progress=False)
-    problems += _differences(again.params, _oracle(ckpts["llama"], rank, 4), f"reload w4 rank{rank}")
+    problems += differences(again.params, _oracle(ckpts["llama"], rank, 4), f"reload w4 rank{rank}")
     own = sorted(set(opened))
 
     resharded = distload.load(str(Path(saves) / "llama-w2"), tp=4, reshard=True, progress=False)
-    problems += _differences(resharded.params, _oracle(ckpts["llama"], rank, 4), f"reshard 2->4 rank{rank}")
+    problems += differences(resharded.params, _oracle(ckpts["llama"], rank, 4), f"reshard 2->4 rank{rank}")
     qwen = distload.load(str(Path(saves) / "qwen2-w2"), tp=4, reshard=True, progress=False)
-    problems += _differences(qwen.params, _oracle(ckpts["qwen2"], rank, 4), f"qwen2 reshard 2->4 rank{rank}")
+    problems += differences(qwen.params, _oracle(ckpts["qwen2"], rank, 4), f"qwen2 reshard 2->4 rank{rank}")
     # world 4, tp 2: two data-parallel replicas of the tp-2 layout
     replicas = distload.load(str(out), tp=2, reshard=True, progress=False)
-    problems += _differences(replicas.params, _oracle(ckpts["llama"], rank % 2, 2), f"reshard w4tp4->w4tp2 rank{rank}")
+    problems += differences(replicas.params, _oracle(ckpts["llama"], rank % 2, 2), f"reshard w4tp4->w4tp2 rank{rank}")
 
     # experts: tp 4 inside ep 2 groups, saved and reloaded in place
     moe = Path(saves) / "mixtral-w4"
     distload.load(ckpts["mixtral"], tp=4, ep=2, save_sharded=str(moe), progress=False)
     again_moe = distload.load(str(moe), ep=2, progress=False)
-    problems += _differences(again_moe.params, _oracle(ckpts["mixtral"], rank, 4, ep=2), f"moe reload w4 rank{rank}")
+    problems += differences(again_moe.params, _oracle(ckpts["mixtral"], rank, 4, ep=2), f"moe reload w4 rank{rank}")
 
     refused = _refusal(lambda: distload.load(str(Path(saves) / "llama-w2"), tp=4, progress=False))
     return {"problems": problems, "own": own, "report": again.report, "reshard_report": resharded.report,
@@ -148,10 +138,10 @@ def _on_two_ranks_again(ckpts: dict, saves: str) -> dict:
     refused = _refusal(lambda: distload.load(str(out), progress=False))
     opened_before_refusal = sorted(set(opened))
     result = distload.load(str(out), reshard=True, progress=False)
-    problems = _differences(result.params, _oracle(ckpts["llama"], rank, 2), f"reshard 4->2 rank{rank}")
+    problems = differences(result.params, _oracle(ckpts["llama"], rank, 2), f"reshard 4->2 rank{rank}")
     for ep in (1, 2):  # experts saved at tp 4 / ep 2, re-cut to 2 ranks: TP-split experts, or 2 whole ones each
         moe = distload.load(str(Path(saves) / "mixtral-w4"), ep=ep, reshard=True, progress=False)
-        problems += _differences(moe.params, _oracle(ckpts["mixtral"], rank, 2, ep=ep), f"moe 4->2 ep{ep} rank{rank}")
+        problems += differences(moe.params, _oracle(ckpts["mixtral"], rank, 2, ep=ep), f"moe 4->2 ep{ep} rank{rank}")
 
     # A damaged byte: the checksum catches it on the rank that reads that file, and every rank fails together.
     corrupt = Path(saves) / "llama-w2-corrupt"
@@ -316,13 +306,13 @@ def _reload_and_resave(ckpt_a: str, ckpt_b: str, out: str, leftover: str) -> lis
 
     rank = dist.get_rank()
     result = distload.load(out, progress=False)
-    problems = _differences(result.params, _oracle(ckpt_a, rank, 2), f"earlier save after the kills, rank {rank}")
+    problems = differences(result.params, _oracle(ckpt_a, rank, 2), f"earlier save after the kills, rank {rank}")
     refused = _refusal(lambda: distload.load(leftover, progress=False))
     if "interrupted" not in refused:
         problems.append(f"loading the leftover {leftover} was not refused as interrupted: {refused!r}")
     distload.load(ckpt_b, tp=2, save_sharded=out, progress=False)
     result = distload.load(out, progress=False)
-    problems += _differences(result.params, _oracle(ckpt_b, rank, 2), f"save after the kills, rank {rank}")
+    problems += differences(result.params, _oracle(ckpt_b, rank, 2), f"save after the kills, rank {rank}")
     return problems
 
 
@@ -378,7 +368,7 @@ def _refit_cases(ckpt: str, changed: str) -> dict:
     new = checkpoint_tensors(changed) if rank == src else None
     problems = []
     done = distload.refit(result, new, src=src)
-    problems += _differences(result.params, _oracle(changed, rank, 2), f"refit rank{rank}")
+    problems += differences(result.params, _oracle(changed, rank, 2), f"refit rank{rank}")
     if (done.version, result.version) != (1, 1):
         problems.append(f"version after the first refit: {done.version}, {result.version}")
     before = {n: t.clone() for n, t in result.params.items()}
@@ -420,7 +410,7 @@ def _refit_cases(ckpt: str, changed: str) -> dict:
         problems.append(f"rank {rank}: partial refit did not land (version {done.version})")
     plain = {n: torch.zeros_like(t) for n, t in result.params.items()}
     done = distload.refit(plain, checkpoint_tensors(ckpt) if rank == src else None, src=src, config=ckpt, tp=2, version=7)
-    problems += _differences(plain, {n: t for n, t in _oracle(ckpt, rank, 2).items()}, f"refit into a dict rank{rank}")
+    problems += differences(plain, {n: t for n, t in _oracle(ckpt, rank, 2).items()}, f"refit into a dict rank{rank}")
     return {"problems": problems, "refusals": refusals, "version": done.version, "report": done.report}
 
 

@@ -14,24 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from checks import differences, module_from_specs, record_weight_opens, tensor_bytes
 from spawn import run_ranks
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-
-
-def _record_weight_opens(roots):
-    """An audit hook (independent of distload's own counters) recording every checkpoint weight file this
-    process opens."""
-    opened, roots = [], tuple(str(Path(r).resolve()) for r in roots)
-
-    def hook(event, args):
-        if event == "open" and args and isinstance(args[0], (str, bytes)):
-            path = args[0].decode() if isinstance(args[0], bytes) else args[0]
-            if path.endswith(WEIGHT_SUFFIXES) and str(Path(path).resolve()).startswith(roots):
-                opened.append(path)
-    sys.addaudithook(hook)
-    return opened
-
 
 def _expected(path: str, rank: int, tp: int) -> dict:
     from hf_models import checkpoint_tensors, read_config
@@ -40,36 +24,26 @@ def _expected(path: str, rank: int, tp: int) -> dict:
     return serving_shards(checkpoint_tensors(path), read_config(path), rank, tp)
 
 
-def _compare(got: dict, want: dict, where: str) -> list[str]:
-    problems = []
-    if sorted(got) != sorted(want):
-        problems.append(f"{where}: names differ: extra {sorted(set(got) - set(want))}, missing {sorted(set(want) - set(got))}")
-    for name in sorted(set(got) & set(want)):
-        if got[name].shape != want[name].shape or not torch.equal(got[name], want[name]):
-            problems.append(f"{where}: {name} differs (got {list(got[name].shape)}, want {list(want[name].shape)})")
-    return problems
-
-
 def _load_every_family(checkpoints: dict, out_root: str) -> dict:
     import torch.distributed as dist
 
     import distload
     from safetensors.torch import load_file
 
-    opened = _record_weight_opens(checkpoints.values())
+    opened = record_weight_opens(checkpoints.values())
     rank, world = dist.get_rank(), dist.get_world_size()
     problems, reports = [], {}
     for fam, path in sorted(checkpoints.items()):
         out = Path(out_root) / f"{fam}-tp{world}"
         result = distload.load(path, tp=world, save_sharded=str(out), progress=False)
         want = _expected(path, rank, world)
-        problems += _compare(result.params, want, f"{fam} tp{world} rank{rank} loaded")
+        problems += differences(result.params, want, f"{fam} tp{world} rank{rank} loaded")
         if "lm_head.weight" in result.params and result.config.get("tie_word_embeddings"):
             if result.params["lm_head.weight"] is not result.params["model.embed_tokens.weight"]:
                 problems.append(f"{fam}: tied lm_head is not aliased to the embedding")
         saved = load_file(str(out / f"rank-{rank:05d}-of-{world:05d}.safetensors"))
         want_saved = {n: t for n, t in want.items() if not (n == "lm_head.weight" and result.config.get("tie_word_embeddings"))}
-        problems += _compare(saved, want_saved, f"{fam} tp{world} rank{rank} saved")
+        problems += differences(saved, want_saved, f"{fam} tp{world} rank{rank} saved")
         reports[fam] = result.report
     return {"problems": problems, "reports": reports, "opened": sorted(set(opened))}
 
@@ -83,29 +57,13 @@ def test_dense_families_exact(dense_checkpoints, tmp_path, world):
         report = results[0]["reports"][fam]
         assert report["ok"] and report["world_size"] == world and report["tp"] == world
         # every tensor byte of the checkpoint is read, and only once (counted here with safetensors itself)
-        assert report["storage_bytes_read"] == report["checkpoint_bytes"] == _tensor_bytes(path), fam
+        assert report["storage_bytes_read"] == report["checkpoint_bytes"] == tensor_bytes(path), fam
         manifest = json.loads((tmp_path / f"{fam}-tp{world}" / "manifest.json").read_text())
         assert manifest["world_size"] == world and manifest["tp"] == world
     # only rank 0 (the one reader of this single node) ever opened a weight file
     assert results[0]["opened"], "rank 0 read nothing?"
     assert all(not r["opened"] for r in results[1:]), [r["opened"] for r in results[1:]]
     assert all(r["bytes_read"] == 0 for r in results[0]["reports"]["llama"]["per_rank"][1:])
-
-
-def _tensor_bytes(path: str) -> int:
-    import math
-
-    from safetensors import safe_open
-
-    from distload.dtypes import itemsize
-
-    total = 0
-    for f in Path(path).glob("*.safetensors"):
-        with safe_open(str(f), "pt") as fh:
-            for key in fh.keys():
-                t = fh.get_slice(key)
-                total += math.prod(t.get_shape()) * itemsize(t.get_dtype())
-    return total
 
 
 def _expect_tp3_refused(path: str) -> str:
@@ -125,27 +83,6 @@ def test_tp3_refused_on_every_rank(dense_checkpoints):
     assert "try tp 1, 2, 4" in messages[0]
 
 
-def _module_from_specs(specs: dict, tied: bool) -> torch.nn.Module:
-    """A serving-layout module on the meta device: nested modules named like the params."""
-    root = torch.nn.Module()
-    for name, spec in sorted(specs.items()):
-        if spec.alias_of:
-            continue
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        from distload.dtypes import torch_dtype
-        mod.register_parameter(leaf, torch.nn.Parameter(
-            torch.empty(spec.local_shape, dtype=torch_dtype(spec.dtype), device="meta"), requires_grad=False))
-    if tied:
-        root.lm_head = torch.nn.Module()
-        root.lm_head.weight = root.model.embed_tokens.weight
-    return root
-
-
 def _load_into_modules(checkpoints: dict) -> list[str]:
     import torch.distributed as dist
 
@@ -156,11 +93,10 @@ def _load_into_modules(checkpoints: dict) -> list[str]:
     for fam in ("llama_mqa_tied", "phi3"):
         path = checkpoints[fam]
         plan = distload.inspect(path, tp=world)
-        tied = any(s.alias_of for s in plan.specs[rank].values())
-        module = _module_from_specs(plan.specs[rank], tied)
+        module = module_from_specs(plan.specs[rank])
         distload.load_into(module, path, tp=world, progress=False)
         got = {n: p.data for n, p in module.named_parameters(remove_duplicate=False)}
-        problems += _compare(got, _expected(path, rank, world), f"load_into {fam} rank{rank}")
+        problems += differences(got, _expected(path, rank, world), f"load_into {fam} rank{rank}")
     return problems
 
 
@@ -175,13 +111,13 @@ def _load_with_many_readers(checkpoints: dict, bin_checkpoint: str) -> dict:
 
     import distload
 
-    opened = _record_weight_opens(list(checkpoints.values()) + [bin_checkpoint])
+    opened = record_weight_opens(list(checkpoints.values()) + [bin_checkpoint])
     rank, world = dist.get_rank(), dist.get_world_size()
     problems, readers_seen = [], {}
     for fam in ("llama", "qwen3", "phi3"):
         for readers in (2, world):
             result = distload.load(checkpoints[fam], tp=world, readers=readers, staging_mib=1, progress=False)
-            problems += _compare(result.params, _expected(checkpoints[fam], rank, world),
+            problems += differences(result.params, _expected(checkpoints[fam], rank, world),
                                  f"{fam} readers={readers} rank{rank}")
             readers_seen[(fam, readers)] = [r["bytes_read"] for r in result.report["per_rank"]]
             if result.report["storage_bytes_read"] != result.report["checkpoint_bytes"]:
@@ -189,7 +125,7 @@ def _load_with_many_readers(checkpoints: dict, bin_checkpoint: str) -> dict:
                                 f"of {result.report['checkpoint_bytes']}")
     # a legacy .bin checkpoint: torch.load(weights_only=True) on the reader only
     result = distload.load(bin_checkpoint, tp=world, progress=False)
-    problems += _compare(result.params, _expected_from_bin(bin_checkpoint, rank, world), f"bin rank{rank}")
+    problems += differences(result.params, _expected_from_bin(bin_checkpoint, rank, world), f"bin rank{rank}")
     return {"problems": problems, "readers": readers_seen, "opened": len(opened)}
 
 

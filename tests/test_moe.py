@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checks import differences, tensor_bytes
 from spawn import run_ranks
 
 import distload
@@ -89,25 +90,6 @@ def oracle_source(name: str) -> str:
     return name.removesuffix("_stacked")
 
 
-def tensor_bytes(path: str) -> int:
-    """Bytes of every tensor in a checkpoint, counted with safetensors itself."""
-    from safetensors import safe_open
-
-    from distload.dtypes import itemsize
-
-    total = 0
-    for f in Path(path).glob("*.safetensors"):
-        with safe_open(str(f), "pt") as fh:
-            for key in fh.keys():
-                s = fh.get_slice(key)
-                total += math.prod(s.get_shape()) * itemsize(s.get_dtype())
-    return total
-
-
-# ----------------------------------------------------------------------------------------------------
-# Expected placement, from the definitions
-
-
 def expected_hosts(n: int, world: int, ep: int, placement: str = "linear", expert_map=None) -> list[list[int]]:
     if expert_map is not None:
         return [sorted(ids) for ids in expert_map]
@@ -143,21 +125,6 @@ def expected_shards(hf: dict, config: dict, rank: int, world: int, ep: int, ids:
     if not ids:
         want = {n: t[:0] if n.endswith(("experts.w13_weight", "experts.w2_weight")) else t for n, t in want.items()}
     return want
-
-
-def compare(got: dict, want: dict, where: str) -> list[str]:
-    problems = []
-    if sorted(got) != sorted(want):
-        problems.append(f"{where}: names differ: extra {sorted(set(got) - set(want))}, "
-                        f"missing {sorted(set(want) - set(got))}")
-    for name in sorted(set(got) & set(want)):
-        if got[name].shape != want[name].shape or not torch.equal(got[name], want[name]):
-            problems.append(f"{where}: {name} differs (got {list(got[name].shape)}, want {list(want[name].shape)})")
-    return problems
-
-
-# ----------------------------------------------------------------------------------------------------
-# Plans, in process: every placement, EPLB maps, forms of checkpoint
 
 
 def materialise(plan, rank: int, values: dict) -> dict[str, torch.Tensor]:
@@ -220,7 +187,7 @@ def test_plan_delivers_every_expert_to_exactly_its_hosts(moe, ckpt):
         for rank in range(world):
             want = expected_shards(original, config, rank, world, ep, hosts[rank])
             got = materialise(plan, rank, stored)
-            problems = compare(got, want, f"{where} rank {rank}")
+            problems = differences(got, want, f"{where} rank {rank}")
             assert not problems, "\n".join(problems)
             for name, spec in plan.specs[rank].items():
                 if spec.style == "expert":
@@ -362,9 +329,9 @@ def _load_cases(checkpoints: dict, cases: list[Case], out_root: str) -> list[dic
         want = expected_shards(checkpoint_tensors(checkpoints[oracle_source(case.ckpt)]), config, rank, world,
                                case.ep, hosts[rank])
         where = f"{case.id} world {world} rank {rank}"
-        problems = compare(result.params, want, f"{where} loaded")
+        problems = differences(result.params, want, f"{where} loaded")
         saved = load_file(str(save / f"rank-{rank:05d}-of-{world:05d}.safetensors"))
-        problems += compare(saved, want, f"{where} saved")
+        problems += differences(saved, want, f"{where} saved")
         manifest = json.loads((save / "manifest.json").read_text())
         for name, entry in manifest["params"].items():
             if entry["style"] == "expert" and entry["ranks"][rank]["experts"] != hosts[rank]:
@@ -423,7 +390,7 @@ def test_torchrun_load_tp4_ep2_save_and_report(moe, tmp_path):
     kept = []
     for rank in range(4):
         saved = load_file(str(out / f"rank-{rank:05d}-of-00004.safetensors"))
-        problems = compare(saved, serving_shards(hf, config, rank, 4, ep_size=2, local_expert_ids=hosts[rank]),
+        problems = differences(saved, serving_shards(hf, config, rank, 4, ep_size=2, local_expert_ids=hosts[rank]),
                            f"torchrun rank {rank} saved")
         assert not problems, "\n".join(problems)
         kept.append(sum(t.numel() * t.element_size() for t in saved.values()))

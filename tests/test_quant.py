@@ -35,6 +35,7 @@ from distload.quant_plan import checkpoint_scheme
 from distload.rules import parse_rules, rules_for
 from distload.shard import view2d
 from distload.topology import Layout
+from checks import module_from_specs
 from spawn import run_ranks
 
 TP = 2
@@ -473,23 +474,6 @@ CASES = [  # (case, checkpoint, kind, load options)
 ]
 
 
-def _module_like(specs: dict) -> torch.nn.Module:
-    """A meta-device module whose params are named and shaped like `specs` (a serving engine's module)."""
-    from distload.dtypes import torch_dtype
-
-    root = torch.nn.Module()
-    for name, spec in sorted(specs.items()):
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(
-            torch.empty(spec.local_shape, dtype=torch_dtype(spec.dtype), device="meta"), requires_grad=False))
-    return root
-
-
 def _load_cases(checkpoints: dict, out_root: str) -> dict:
     import torch.distributed as dist
 
@@ -515,7 +499,7 @@ def _load_cases(checkpoints: dict, out_root: str) -> dict:
         out["reports"][case] = result.report
     # load_into: a meta-device module in the final layout (fp8 weights, one scale) is filled in place.
     path = checkpoints["llama-fp8"]
-    module = _module_like(distload.inspect(path, tp=TP).specs[rank])
+    module = module_from_specs(distload.inspect(path, tp=TP).specs[rank])
     distload.load_into(module, path, tp=TP, progress=False)
     loaded = distload.load(path, tp=TP, progress=False).params
     for n, p in module.named_parameters():
