@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import names
-from .checkpoint import CheckpointIndex, RangeReader, TensorEntry
+from .checkpoint import CheckpointIndex, RangeReader, ReaderWrapper, TensorEntry
 from .checkpoint.discover import _read_config, resolve_inside
 from .dtypes import TORCH_TO_SAFETENSORS
 from .errors import CheckpointError
@@ -328,22 +328,14 @@ def _chunks_of(root: str, key: str, meta, stored: list, handles: dict) -> list[t
 # Reading
 
 
-class DcpReader:
+class DcpReader(ReaderWrapper):
     """Serves byte ranges of the virtual file from the .distcp files (through a RangeReader: its strategies,
     path checks and counters)."""
 
     def __init__(self, index: DcpIndex, strategy: str = "plain"):
-        self.inner = RangeReader(index.root, strategy=strategy)
+        super().__init__(RangeReader(index.root, strategy=strategy))
         self.segments = index.segments
         self._starts = [s[0] for s in index.segments]
-
-    @property
-    def bytes_read(self) -> int:
-        return self.inner.bytes_read
-
-    @property
-    def files_opened(self):
-        return self.inner.files_opened
 
     def read_into(self, entry_file: str, offset: int, out) -> int:
         if entry_file != VIRTUAL_FILE:
@@ -363,6 +355,3 @@ class DcpReader:
             done += take
             i += 1
         return wanted
-
-    def close(self) -> None:
-        self.inner.close()

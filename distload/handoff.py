@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 
 from .dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS
+from .checkpoint import ReaderWrapper
 from .errors import CheckpointError, PlanError
 from .reshard import describe_topology, rank_file, same_topology_plan, reshard_plan, saved_layout
-from .transfer import agree, all_gather_objects, broadcast_object
+from .transfer import agree, all_gather_objects, broadcast_object, computed_on_rank0
 
 log = logging.getLogger("distload")
 
@@ -301,25 +302,17 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
-class ChecksumReader:
+class ChecksumReader(ReaderWrapper):
     """Wraps a reader: hashes every source as the transfer reads it and compares with the manifest.
 
     The transfer reads a source's chunks in order, on one thread, so one running sha256 per source suffices.
     """
 
     def __init__(self, inner, expected: dict[str, list[tuple[int, int, str, str]]]):
-        self.inner = inner
+        super().__init__(inner)
         self._spans = {f: sorted(v) for f, v in expected.items()}     # file -> (offset, nbytes, sha256, param)
         self._starts = {f: [s[0] for s in v] for f, v in self._spans.items()}
         self._state: dict[tuple[str, int], list] = {}                   # (file, offset) -> [next offset, hasher]
-
-    @property
-    def bytes_read(self) -> int:
-        return self.inner.bytes_read
-
-    @property
-    def files_opened(self):
-        return self.inner.files_opened
 
     def read_into(self, file: str, offset: int, out) -> int:
         count = self.inner.read_into(file, offset, out)
@@ -349,8 +342,6 @@ class ChecksumReader:
                                   "since it was saved; save again, or pass --no-checksums to load it anyway)")
         return sum(len(v) for v in self._spans.values())
 
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _check_headers(root: Path, plan, rank: int, manifest: dict) -> None:
@@ -410,19 +401,6 @@ def _expected_checksums(plan, rank: int, manifest: dict) -> dict[str, list[tuple
     return expected
 
 
-def _manifest_on_rank0(path: str, rank: int) -> dict:
-    payload = None
-    if rank == 0:
-        try:
-            payload = ("ok", read_manifest(path))
-        except Exception as exc:
-            payload = ("error", exc)
-    kind, value = broadcast_object(payload, src=0)
-    if kind == "error":
-        raise value
-    return value
-
-
 def _job_matches_save(manifest: dict, layout) -> bool:
     saved = saved_layout(manifest)
     if (saved.world, saved.tp, saved.ep) != (layout.world, layout.tp, layout.ep):
@@ -469,7 +447,7 @@ def load_sharded(path: str, *, tp: int | None = None, ep: int = 1, reshard: bool
     root = Path(path).absolute()
     clock.lap("topology")
 
-    manifest = _phase("discover", lambda: _manifest_on_rank0(str(root), rank))
+    manifest = _phase("discover", lambda: computed_on_rank0(lambda: read_manifest(str(root))))
     layout = topo.layout
     if tp is None and manifest["world_size"] == layout.world:
         layout = replace(layout, tp=manifest["tp"])  # no --tp: the saved one, on the saved world size

@@ -22,7 +22,7 @@ from .postprocess import PostProcess
 from .reconcile import Verdict, reconcile
 from .report import PhaseClock, Progress, build_report, rank_record, summary_line, write_report
 from .rules import rules_for
-from .transfer import agree_on_plan, Transfer, agree, all_gather_objects, broadcast_object, zero_padding
+from .transfer import Transfer, agree, agree_on_plan, all_gather_objects, computed_on_rank0, zero_padding
 
 log = logging.getLogger("distload")
 
@@ -51,32 +51,25 @@ def _phase(name: str, fn):
     return result
 
 
-def _discover_on_rank0(path: str, rank: int, hf_config: str | None = None, rules_path: str | None = None):
+def _discover_on_rank0(path: str, hf_config: str | None = None, rules_path: str | None = None):
     """Headers are parsed once, on rank 0, and shared as metadata: no other rank opens them."""
     from .dcp import discover_dcp, is_dcp
 
-    payload = None
-    if rank == 0:
-        try:
-            if is_dcp(path):  # torch.distributed.checkpoint directory; config.json from --hf-config
-                index = discover_dcp(path, hf_config, rules_path)
-            else:
-                index = discover(path)
-                if hf_config:
-                    from .checkpoint.discover import _read_config
+    def discover_here():
+        if is_dcp(path):  # torch.distributed.checkpoint directory; config.json from --hf-config
+            index = discover_dcp(path, hf_config, rules_path)
+        else:
+            index = discover(path)
+            if hf_config:
+                from .checkpoint.discover import _read_config
 
-                    index = replace(index, config=_read_config(hf_config))
-            if not index.config:  # every plan needs it (architectures, head counts): say so, not "unknown family"
-                raise CheckpointError(f"{index.root}: config.json is missing or empty; distload plans from the "
-                                      "model's config (architectures, head counts, sizes): put the model's "
-                                      "config.json next to the weights, or pass --hf-config DIR")
-            payload = ("ok", index)
-        except Exception as exc:
-            payload = ("error", exc)
-    kind, value = broadcast_object(payload, src=0)
-    if kind == "error":
-        raise value
-    return value
+                index = replace(index, config=_read_config(hf_config))
+        if not index.config:  # every plan needs it (architectures, head counts): say so, not "unknown family"
+            raise CheckpointError(f"{index.root}: config.json is missing or empty; distload plans from the "
+                                  "model's config (architectures, head counts, sizes): put the model's "
+                                  "config.json next to the weights, or pass --hf-config DIR")
+        return index
+    return computed_on_rank0(discover_here)
 
 
 def allocate(specs: dict[str, ParamSpec], device) -> dict[str, torch.Tensor]:
@@ -117,7 +110,7 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     rank = topo.rank
     clock.lap("topology")
 
-    index = _phase("discover", lambda: _discover_on_rank0(str(path), rank, hf_config, config))
+    index = _phase("discover", lambda: _discover_on_rank0(str(path), hf_config, config))
     clock.lap("discover")
 
     staging = int(staging_mib * (1 << 20)) if staging_mib else DEFAULT_STAGING_BYTES  # a fraction: small tests

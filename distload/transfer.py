@@ -91,6 +91,21 @@ def broadcast_object(obj, src: int = 0):
     return obj if dist.get_rank() == src else pickle.loads(payload.cpu().numpy().tobytes())
 
 
+def computed_on_rank0(fn):
+    """Run fn on rank 0 only (metadata: headers, manifests) and hand every rank its result; if it
+    raised, every rank raises the same exception."""
+    payload = None
+    if not _active() or dist.get_rank() == 0:
+        try:
+            payload = ("ok", fn())
+        except Exception as exc:
+            payload = ("error", exc)
+    kind, value = broadcast_object(payload, src=0)
+    if kind == "error":
+        raise value
+    return value
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's picklable `obj`, in rank order (small records only: all_gather is slow on gloo)."""
     if not _active():

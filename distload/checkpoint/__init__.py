@@ -3,7 +3,7 @@
 from .discover import CheckpointIndex, discover
 from .header import MAX_HEADER_BYTES, TensorEntry, parse_safetensors_header
 from .legacy import LegacyFile, legacy_entries, load_legacy_file
-from .reader import STRATEGIES, RangeReader, choose_strategy, evict_from_page_cache
+from .reader import STRATEGIES, RangeReader, ReaderWrapper, choose_strategy, evict_from_page_cache
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointIndex",
     "LegacyFile",
     "RangeReader",
+    "ReaderWrapper",
     "TensorEntry",
     "choose_strategy",
     "discover",

@@ -307,3 +307,22 @@ def evict_from_page_cache(path: str | os.PathLike) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+class ReaderWrapper:
+    """A reader that serves `read_into` through another one (checksums, DCP's virtual file): the byte
+    counters, the files opened and close() are the inner reader's, so reports count real storage reads."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def bytes_read(self) -> int:
+        return self.inner.bytes_read
+
+    @property
+    def files_opened(self):
+        return self.inner.files_opened
+
+    def close(self) -> None:
+        self.inner.close()
