@@ -3,7 +3,9 @@
 Readers read byte ranges of the checkpoint into reusable staging buffers (a read-ahead thread keeps
 the next bucket coming while this one is on the wire); each bucket goes out as one collective —
 `broadcast` when every rank keeps the whole tensor, point-to-point sends otherwise, so a rank receives
-only the bytes it keeps — and receivers copy the pieces into their preallocated params.
+only the bytes it keeps — and receivers copy the pieces into their preallocated params. With gloo on CPU,
+ranks on a reader's node take their pieces straight out of its shared-memory read buffers instead (only a
+token and a reply per bucket travel): sharded bytes never cross a socket within a node.
 
 Everything on the wire is raw bytes in contiguous uint8 buffers: gloo cannot send float8 and silently
 corrupts non-contiguous tensors (it sends the storage's first bytes), while `view(torch.uint8)` of a
@@ -263,8 +265,14 @@ def agree_on_plan(plan) -> None:
     bytes nobody sends. A digest of the wire schedule, compared once, turns that hang into an error."""
     import hashlib
 
-    digest = hashlib.sha256(repr((plan.buckets, [len(s) for s in plan.specs])).encode()).hexdigest()[:16]
-    digests = all_gather_objects(digest)
+    digest = hashlib.sha256(repr((plan.buckets, [len(s) for s in plan.specs])).encode()).hexdigest()[:15]
+    if not _active():
+        return
+    # One all-gather of a fixed-size tensor (60 bits of the digest), not two of pickled objects.
+    mine = torch.tensor([int(digest, 16)], dtype=torch.int64, device=_object_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    digests = [f"{int(d.item()):015x}" for d in every]
     if len(set(digests)) > 1:
         groups: dict[str, list[int]] = {}
         for r, d in enumerate(digests):
@@ -438,9 +446,10 @@ class Transfer:
 
     Copies are what cost on a host (first-touch page faults make a copy into fresh memory 3-7x a warm
     one), so bytes take the shortest path: a reader's own rows go from the file straight into its params
-    (one `preadv` per range); a large piece whose region is contiguous at both ends goes from the read
-    buffer straight onto the wire and from the wire straight into the receiver's param; only strided
-    pieces (row-parallel columns) and tiny ones are packed and unpacked.
+    (one `preadv` per range); a rank on the reader's node copies its pieces straight out of the reader's
+    shared-memory read buffer (gloo on CPU); for a rank elsewhere, a large piece whose region is contiguous
+    at both ends goes from the read buffer straight onto the wire and from the wire straight into its
+    param, and only strided pieces (row-parallel columns) and tiny ones are packed and unpacked.
     """
 
     def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader=None,
@@ -458,9 +467,6 @@ class Transfer:
         biggest_send = max((sum(b.recv_bytes) - b.recv_bytes[b.reader] for b in plan.buckets if not b.broadcast), default=0)
         on_cuda = self.device.type == "cuda"
         mine = [b for b in plan.buckets if b.reader == rank]
-        # Read buffers: one per in-flight bucket plus one being filled by the read-ahead. Buckets never
-        # exceed the staging size unless a single row does; size to the largest bucket. Pages of a buffer
-        # that direct paths never touch cost no memory.
         self.local_world = plan.layout.local_world or self.world
         self.shm = _shm_usable(self.world, self.device)
         self._slots: _SharedSlots | None = None
@@ -473,6 +479,9 @@ class Transfer:
             except OSError as exc:  # no shared memory to be had: this rank stands in (see run), the job fails
                 self.error = DistloadError(f"cannot make {self.depth + 2} x {biggest_read >> 20} MiB of shared staging "
                                            f"memory: {exc}; free memory, or set DISTLOAD_SHM=0 to send it over gloo")
+        # Read buffers: one per in-flight bucket plus one being filled by the read-ahead. Buckets never
+        # exceed the staging size unless a single row does; size to the largest bucket. Pages of a buffer
+        # that direct paths never touch cost no memory.
         self.read_pool = _BufferPool(self.depth + 2 if mine else 0, biggest_read, torch.device("cpu"), pin=on_cuda,
                                      buffers=read_buffers)
         self.recv_pool = _BufferPool(self.depth + 1, biggest_recv, self.device) if self.world > 1 else None
@@ -480,7 +489,9 @@ class Transfer:
         self._wires: dict[tuple[int, int], Wire] = {}
         # Decided before the read-ahead starts, so that its thread and this one only read these.
         self._direct_reads = {(b.index, c): self._direct_candidates(b, c) for b in mine for c in b.chunks}
-        self.read_ahead = _ReadAhead(mine, self._fill, self.read_pool) if mine else None
+        # The read-ahead thread overlaps reading with the wire. Alone (world 1) there is nothing to overlap,
+        # and every hand-off between threads costs a wake-up (milliseconds on a busy machine): read inline.
+        self.read_ahead = _ReadAhead(mine, self._fill, self.read_pool) if mine and self.world > 1 else None
 
     # -- where bytes go ------------------------------------------------------------------------------
 
@@ -648,7 +659,14 @@ class Transfer:
         """Start this rank's part of one bucket; returns (works, finish) to complete it later."""
         me = self.rank
         if bucket.reader == me:
-            index, host, read_error, read_direct = self.read_ahead.ready.get()
+            if self.read_ahead is None:
+                index, host, read_error, read_direct = bucket.index, self.read_pool.get(), None, []
+                try:
+                    read_direct = self._fill(bucket, host)
+                except Exception as exc:  # reported at the phase's agreement step
+                    read_error = exc
+            else:
+                index, host, read_error, read_direct = self.read_ahead.ready.get()
             if index != bucket.index:
                 raise RuntimeError(f"read-ahead out of order: got bucket {index}, expected {bucket.index}")
             if read_error is not None and self.error is None:
