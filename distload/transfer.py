@@ -472,7 +472,7 @@ class Transfer:
         self._slots: _SharedSlots | None = None
         self._attached: dict[tuple[int, int], torch.Tensor] = {}   # other readers' slots this rank has mapped
         read_buffers = None
-        if self.shm and any(d != rank and b.recv_bytes[d] and self._via_shm(b, d) for b in mine for d in range(self.world)):
+        if any(d != rank and b.recv_bytes[d] and self._via_shm(b, d) for b in mine for d in range(self.world)):
             try:
                 self._slots = _SharedSlots(self.depth + 2, biggest_read)
                 read_buffers = self._slots.slots
@@ -603,8 +603,8 @@ class Transfer:
     def _unpack_broadcast(self, buf: torch.Tensor, items: list[Item]) -> None:
         for item in items:
             src = self.plan.sources[item.chunk.source]
-            self._write(item.param, item.piece, self._source_block(buf, item.offset, src, item.chunk.rows[0], item.piece),
-                        src.dtype)
+            block = self._source_block(buf, item.offset, src, item.chunk.rows[0], item.piece)
+            self._write(item.param, item.piece, block, src.dtype)
 
     def _local_from_read_buffer(self, host: torch.Tensor, bucket: Bucket, read_direct: list) -> None:
         """The reader's own share: already in its params (read straight there), or copied from the read buffer."""
@@ -650,7 +650,8 @@ class Transfer:
             messages.append(block.reshape(-1))
         sent = sum(m.numel() for m in messages)
         if sent != bucket.recv_bytes[dst]:
-            raise RuntimeError(f"bucket {bucket.index}: {sent} bytes for rank {dst}, plan says {bucket.recv_bytes[dst]}")
+            raise RuntimeError(f"bucket {bucket.index}: {sent} bytes for rank {dst}, "
+                               f"plan says {bucket.recv_bytes[dst]}")
         return messages
 
     # -- the loop ------------------------------------------------------------------------------------

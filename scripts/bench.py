@@ -642,7 +642,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         disk = [r["disk_read_bytes"] for r in ok if r["disk_read_bytes"] is not None]
         out.append({
-            "scenario": f"{nodes} node{'s' if nodes > 1 else ''} x {world // nodes} rank{'s' if world // nodes > 1 else ''}",
+            "scenario": f"{nodes} node{'s' * (nodes > 1)} x {world // nodes} rank{'s' * (world // nodes > 1)}",
             "nodes": nodes, "world": world, "cache": cache, "loader": loader, "reps": len(ok),
             "seconds": med([r["seconds"] for r in ok]),
             "seconds_all": [round(r["seconds"], 3) for r in ok],
@@ -780,7 +780,7 @@ def chart(summary: list[dict], path: Path) -> None:
                                                 ("disk_read_bytes", "storage read (GB)", 1e9))):
         ax = axes[k]
         for i, (scenario, cache) in enumerate(groups):
-            present = [n for n in loaders if at.get((scenario, cache, n)) and at[(scenario, cache, n)][metric] is not None]
+            present = [n for n in loaders if at.get((scenario, cache, n), {}).get(metric) is not None]
             for j, name in enumerate(present):  # each group's bars centred on its tick
                 x = i + (j - (len(present) - 1) / 2) * width
                 ax.bar(x, at[(scenario, cache, name)][metric] / scale, width, color=colors.get(name))
@@ -855,7 +855,8 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else workdir / "results"
     out.mkdir(parents=True, exist_ok=True)
     args.reps = args.reps or (1 if args.quick else 3)
-    ranks = [int(x) for x in (args.ranks if args.ranks is not None else ("2" if args.quick else "1,2,4")).split(",") if x]
+    ranks_text = args.ranks if args.ranks is not None else ("2" if args.quick else "1,2,4")
+    ranks = [int(x) for x in ranks_text.split(",") if x]
     two_nodes = args.two_nodes or ("off" if args.quick else "auto")
     if args.checkpoint:
         ckpt = Path(args.checkpoint).resolve()
@@ -874,7 +875,8 @@ def main(argv=None) -> int:
     with open(log_path, "w") as log:
         for world in ranks:
             loaders = [x for x in (args.loaders or ",".join(LOADERS)).split(",") if x != "distload-1reader"]
-            print(f"[bench] 1 node x {world} rank(s): {', '.join(loaders)}; {args.caches}; {args.reps} rep(s)", flush=True)
+            print(f"[bench] 1 node x {world} rank(s): {', '.join(loaders)}; {args.caches}; {args.reps} rep(s)",
+                  flush=True)
             rc = run_one_node(ckpt, world, jsonl, args, loaders, log)
             if rc:
                 notes.append(f"1 node x {world}: torchrun exited {rc} (see {log_path})")
