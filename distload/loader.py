@@ -6,7 +6,6 @@ rank and all of them exit together.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from . import topology as topo_mod
 from .checkpoint import RangeReader, choose_strategy, discover
 from .dtypes import torch_dtype
-from .errors import CheckpointError, DistloadError, PlanError
+from .errors import CheckpointError, PlanError
 from .integrity import checksum_problems, checksum_verdict, files_for_reader, finite_verdict, nonfinite
 from .plan import DEFAULT_STAGING_BYTES, LoadPlan, ParamSpec, build_plan
 from .postprocess import PostProcess

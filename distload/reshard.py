@@ -131,8 +131,8 @@ def _checkpoint_index(manifest: dict) -> dict[str, TensorEntry]:
 
 def _check_reproduces(old: LoadPlan, manifest: dict, rules) -> None:
     """Replaying the rules on the saved layout must give exactly what was saved, or the composition is wrong."""
-    fix = (f"reshard with the rules the save was made with (--config PATH), or reload it on its own topology "
-           f"without --reshard")
+    fix = ("reshard with the rules the save was made with (--config PATH), or reload it on its own topology "
+           "without --reshard")
     if rules.name != manifest["config_name"]:
         raise PlanError(f"the save was made with rules family {manifest['config_name']!r}, this job chose "
                         f"{rules.name!r} ({rules.source}); {fix}")

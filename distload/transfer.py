@@ -21,8 +21,6 @@ import os
 import pickle
 import queue
 import re
-import secrets
-import sys
 import threading
 import time
 from collections import deque

@@ -79,3 +79,38 @@ def record_weight_opens(roots) -> list[str]:
                 opened.append(path)
     sys.addaudithook(hook)
     return opened
+
+
+# A toy MoE family (router, merged w1/w3 and row w2 experts) for plan-level tests that need experts
+# without a real model: rules body without the name/architectures header.
+TOY_MOE_RULES = """\
+    [dims]
+    layers = "num_hidden_layers"
+    experts = "num_local_experts"
+    inter = "intermediate_size"
+    [loops]
+    layer = "layers"
+    expert = "experts"
+    [params."model.layers.{layer}.experts.w13_weight"]
+    style = "expert"
+    inner = "merged"
+    parts = ["model.layers.{layer}.experts.{expert}.w1.weight", "model.layers.{layer}.experts.{expert}.w3.weight"]
+    [params."model.layers.{layer}.experts.w2_weight"]
+    style = "expert"
+    inner = "row"
+    parts = ["model.layers.{layer}.experts.{expert}.w2.weight"]
+    [params."model.layers.{layer}.gate.weight"]
+    style = "replicate"
+    """
+
+
+def toy_rules(tmp_path: Path, body: str):
+    """Parse a rules body (dedented) as a family file named 'toy' for architecture 'Toy'."""
+    import textwrap
+
+    from distload.rules import parse_rules
+
+    path = tmp_path / "toy.toml"
+    path.write_text('name = "toy"\narchitectures = ["Toy"]\n' + textwrap.dedent(body))
+    return parse_rules(path)
+

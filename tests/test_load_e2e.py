@@ -8,7 +8,6 @@ params are compared with torch.equal, bit for bit; so are the shards written by 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-import textwrap
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +21,11 @@ from distload.checkpoint import TensorEntry, discover
 from distload.dtypes import itemsize, torch_dtype
 from distload.errors import PlanError
 from distload.plan import build_plan, expert_hosts
-from distload.rules import parse_rules, rules_for
+from distload.rules import rules_for
 from distload.shard import view2d
 from distload.topology import Layout
 from hf_models import DENSE
+from checks import TOY_MOE_RULES, toy_rules
 from layout_oracle import serving_shards
 
 # ----------------------------------------------------------------------------------------------------
@@ -484,12 +483,6 @@ def toy_entries(shapes: dict[str, tuple[int, ...]], dtype: str = "F32") -> dict[
     return out
 
 
-def toy_rules(tmp_path: Path, body: str):
-    path = tmp_path / "toy.toml"
-    path.write_text('name = "toy"\narchitectures = ["Toy"]\n' + textwrap.dedent(body))
-    return parse_rules(path)
-
-
 def test_row_layer_1d_bias_is_replicated(tmp_path):
     rules = toy_rules(tmp_path, """\
         [params."o.weight"]
@@ -521,25 +514,6 @@ def test_column_3d_local_shape(tmp_path):
         assert spec.local_shape == (2, 6, 8)
 
 
-MOE_RULES = """\
-    [dims]
-    layers = "num_hidden_layers"
-    experts = "num_local_experts"
-    inter = "intermediate_size"
-    [loops]
-    layer = "layers"
-    expert = "experts"
-    [params."model.layers.{layer}.experts.w13_weight"]
-    style = "expert"
-    inner = "merged"
-    parts = ["model.layers.{layer}.experts.{expert}.w1.weight", "model.layers.{layer}.experts.{expert}.w3.weight"]
-    [params."model.layers.{layer}.experts.w2_weight"]
-    style = "expert"
-    inner = "row"
-    parts = ["model.layers.{layer}.experts.{expert}.w2.weight"]
-    [params."model.layers.{layer}.gate.weight"]
-    style = "replicate"
-    """
 MOE_CONFIG = {"num_hidden_layers": 1, "num_local_experts": 4, "intermediate_size": 8}
 H, I, E = 6, 8, 4
 
@@ -571,7 +545,7 @@ def expected_moe(values, ids, t, g):
     Layout(world=4, tp=4, ep=4, expert_map=((0, 1), (2,), (3, 1), (1,))),
 ], ids=["ep1", "ep2-linear", "ep4", "ep2-round-robin", "eplb"])
 def test_toy_moe_plan(tmp_path, layout):
-    rules = toy_rules(tmp_path, MOE_RULES)
+    rules = toy_rules(tmp_path, TOY_MOE_RULES)
     entries = moe_entries()
     values = arange_values(entries)
     plan = build_plan(entries, MOE_CONFIG, rules, layout)
@@ -601,7 +575,7 @@ def test_toy_moe_plan(tmp_path, layout):
 
 
 def test_toy_moe_eplb_rank0_hosts_nothing(tmp_path):
-    rules = toy_rules(tmp_path, MOE_RULES)
+    rules = toy_rules(tmp_path, TOY_MOE_RULES)
     plan = build_plan(moe_entries(), MOE_CONFIG, rules, Layout(world=2, tp=2, ep=2, expert_map=((), (0, 1, 2, 3))))
     for rank in range(2):
         assert plan.specs[rank]["model.layers.0.experts.w2_weight"].global_shape == (E, H, I)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -32,10 +31,10 @@ from distload.kernels import (
 )
 from distload.plan import build_plan
 from distload.quant_plan import checkpoint_scheme
-from distload.rules import parse_rules, rules_for
+from distload.rules import rules_for
 from distload.shard import view2d
 from distload.topology import Layout
-from checks import module_from_specs
+from checks import TOY_MOE_RULES, module_from_specs, toy_rules
 from spawn import run_ranks
 
 TP = 2
@@ -203,26 +202,6 @@ def test_missing_scale_of_one_part_is_named(checkpoints, tmp_path):
 
 # Experts: toy rules and entries (the plan reads only metadata), values made up per element.
 
-MOE_RULES = """\
-    name = "toy"
-    architectures = ["Toy"]
-    [dims]
-    layers = "num_hidden_layers"
-    experts = "num_local_experts"
-    [loops]
-    layer = "layers"
-    expert = "experts"
-    [params."model.layers.{layer}.experts.w13_weight"]
-    style = "expert"
-    inner = "merged"
-    parts = ["model.layers.{layer}.experts.{expert}.w1.weight", "model.layers.{layer}.experts.{expert}.w3.weight"]
-    [params."model.layers.{layer}.experts.w2_weight"]
-    style = "expert"
-    inner = "row"
-    parts = ["model.layers.{layer}.experts.{expert}.w2.weight"]
-    [params."model.layers.{layer}.gate.weight"]
-    style = "replicate"
-    """
 E, H, I = 4, 64, 96
 
 
@@ -261,8 +240,7 @@ def _materialise(plan, rank: int, values: dict) -> dict:
 @pytest.mark.parametrize("layout", [Layout(world=2, tp=2), Layout(world=4, tp=4, ep=2), Layout(world=4, tp=4, ep=4)],
                          ids=["tp2", "ep2", "ep4"])
 def test_expert_block_scales_follow_their_experts(tmp_path, layout):
-    (tmp_path / "toy.toml").write_text(textwrap.dedent(MOE_RULES))
-    rules, config = parse_rules(tmp_path / "toy.toml"), {"num_hidden_layers": 1, "num_local_experts": E,
+    rules, config = toy_rules(tmp_path, TOY_MOE_RULES), {"num_hidden_layers": 1, "num_local_experts": E,
                                                           "quantization_config": {"quant_method": "fp8",
                                                                                   "weight_block_size": [16, 16]}}
     entries = _moe_entries("block")
@@ -291,8 +269,7 @@ def test_expert_block_scales_follow_their_experts(tmp_path, layout):
 
 
 def test_expert_per_tensor_scales_fold_per_expert(tmp_path):
-    (tmp_path / "toy.toml").write_text(textwrap.dedent(MOE_RULES))
-    rules = parse_rules(tmp_path / "toy.toml")
+    rules = toy_rules(tmp_path, TOY_MOE_RULES)
     config = {"num_hidden_layers": 1, "num_local_experts": E, "quantization_config": {"quant_method": "fp8"}}
     plan = build_plan(_moe_entries("tensor"), config, rules, Layout(world=4, tp=4, ep=2))
     for rank in range(4):
