@@ -911,10 +911,3 @@ def zero_padding(params: dict[str, torch.Tensor], specs, stats: TransferStats) -
         for r0, r1, c0, c1 in spec.padding:
             _typed2d(params[name])[r0:r1, c0:c1].zero_()
             stats.written.setdefault(name, []).append((r0, r1, c0, c1))
-
-
-def require_no_error(transfer: Transfer) -> None:
-    if transfer.error is not None and not isinstance(transfer.error, DistloadError):
-        raise DistloadError(f"transfer failed: {type(transfer.error).__name__}: {transfer.error}") from transfer.error
-    if transfer.error is not None:
-        raise transfer.error
