@@ -138,3 +138,25 @@ def test_two_emulated_nodes_read_once_per_job(dense_checkpoints, tmp_path):
     reads = [x["bytes_read"] for x in r["per_rank"]]
     assert reads[1] == reads[3] == 0 and reads[0] > 0 and reads[2] > 0
     assert r["storage_bytes_read"] == r["checkpoint_bytes"]  # the job as a whole reads each byte once
+
+
+def test_process_group_is_freed_even_if_torch_distributed_nn_is_imported_later():
+    """transformers' model construction imports torch.distributed.nn.functional, whose default arguments
+    bind the world group: imported after the group exists, they kept it (and gloo's worker threads) alive
+    past destroy_process_group, and a worker finishing during interpreter shutdown aborted a successful
+    `distload verify` (SIGABRT, exit 1 under torchrun). A fresh interpreter, because an earlier test may
+    have imported the module already."""
+    script = textwrap.dedent("""
+        import os
+        import torch.distributed as dist
+        from distload import topology
+        topology.init_process_group(topology.from_environment())
+        import torch.distributed.nn.functional
+        dist.destroy_process_group()
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        print("gloo threads left:", [n for n in names if "gloo" in n])
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "gloo threads left: []" in proc.stdout, proc.stdout + proc.stderr
