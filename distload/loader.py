@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from . import host_memory
 from . import topology as topo_mod
 from .checkpoint import RangeReader, choose_strategy, discover
 from .dtypes import torch_dtype
@@ -76,7 +77,7 @@ def allocate(specs: dict[str, ParamSpec], device) -> dict[str, torch.Tensor]:
     params = {}
     for name, spec in specs.items():
         if not spec.alias_of:
-            params[name] = torch.empty(spec.local_shape, dtype=torch_dtype(spec.dtype), device=device)
+            params[name] = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), device)
     for name, spec in specs.items():
         if spec.alias_of:
             params[name] = params[spec.alias_of]

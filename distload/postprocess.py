@@ -29,7 +29,7 @@ from collections import deque
 
 import torch
 
-from . import kernels
+from . import host_memory, kernels
 from .dtypes import torch_dtype
 from .reconcile import coverage
 from .shard import view2d
@@ -57,7 +57,7 @@ def _max(step, finals, scales):
 def _quantize(step, finals, weight):
     if weight.dim() == 2:
         return kernels.quantize_fp8_per_tensor(weight)
-    q = torch.empty(weight.shape, dtype=kernels.FP8_DTYPE, device=weight.device)
+    q = host_memory.empty(weight.shape, kernels.FP8_DTYPE, weight.device)
     scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     for e in range(weight.shape[0]):  # one scale per expert: each is its own GEMM
         q[e], scales[e] = kernels.quantize_fp8_per_tensor(weight[e])
@@ -82,7 +82,7 @@ def _bands(weight: torch.Tensor, block):
 
 def _quantize_block(step, finals, weight):
     bn = step.block[0]
-    q = torch.empty(weight.shape, dtype=kernels.FP8_DTYPE, device=weight.device)
+    q = host_memory.empty(weight.shape, kernels.FP8_DTYPE, weight.device)
     s = torch.empty(kernels.block_scale_shape(weight.shape, step.block), dtype=torch.float32, device=weight.device)
     wq, ws, w = _matrices(q), _matrices(s), _matrices(weight)
     for e, r0, r1 in _bands(weight, step.block):
@@ -94,7 +94,7 @@ def _dequantize(step, finals, weight, scales, *input_scales):
     dtype = torch_dtype(finals[0].dtype)
     w = _matrices(weight)
     s = scales.reshape(w.shape[0], -1)
-    out = torch.empty(w.shape, dtype=dtype, device=weight.device)
+    out = host_memory.empty(w.shape, dtype, weight.device)
     for e in range(w.shape[0]):
         row = 0
         for rows, part in step.runs:  # each part with its own scale: no requantization error on the way
@@ -105,7 +105,7 @@ def _dequantize(step, finals, weight, scales, *input_scales):
 
 def _dequantize_block(step, finals, weight, scale_inv, *input_scales):
     bn, dtype = step.block[0], torch_dtype(finals[0].dtype)
-    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    out = host_memory.empty(weight.shape, dtype, weight.device)
     o, w, s = _matrices(out), _matrices(weight), _matrices(scale_inv)
     for e, r0, r1 in _bands(weight, step.block):
         o[e, r0:r1] = kernels.dequantize_fp8_block(w[e, r0:r1], s[e, r0 // bn:-(-r1 // bn)], step.block, dtype)
@@ -165,7 +165,7 @@ class PostProcess:
             if into is not None:
                 params[name] = into[name]
             else:
-                params[name] = torch.empty(spec.local_shape, dtype=torch_dtype(spec.dtype), device=self.device)
+                params[name] = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), self.device)
         for name, spec in self.staging.items():
             if spec.alias_of:
                 params[name] = params[spec.alias_of]
@@ -182,7 +182,7 @@ class PostProcess:
                 raise RuntimeError(f"{name}: bytes arrived after its post-load step ran; the plan and the "
                                    f"transfer disagree (a bug: please report it)")
             spec = self.staging[name]
-            t = torch.empty(spec.local_shape, dtype=torch_dtype(spec.dtype), device=self.device)
+            t = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), self.device)
             dict.__setitem__(self.params, name, t)
             self.live_bytes += t.nbytes
             self.input_bytes += t.nbytes

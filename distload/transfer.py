@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import faults
+from . import faults, host_memory
 from .dtypes import torch_dtype
 from .errors import DistloadError, RankFailure
 from .plan import Bucket, Item, LoadPlan, Source, broadcast_offset, clip
@@ -316,8 +316,8 @@ class _BufferPool:
     def __init__(self, count: int, nbytes: int, device: torch.device, pin: bool = False, buffers=None):
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
         if buffers is None:
-            buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=pin)
-                       for _ in range(count)]
+            buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=True) if pin
+                       else host_memory.empty((max(nbytes, 1),), torch.uint8, device) for _ in range(count)]
         for buf in buffers:
             self.free.put(buf)
 

@@ -62,8 +62,10 @@ QUICK_SHAPE = {**LLAMA_SHAPE, "hidden_size": 256, "intermediate_size": 704, "num
 
 LOADERS = ("distload", "distload-1reader", "every-rank-reads", "fastsafetensors", "dcp")
 # Not in the default set: distload with every rank a reader (each byte still read once: the readers split
-# the checkpoint), and distload with its same-node shared memory turned off (everything over gloo).
-EXTRA_LOADERS = ("distload-all-readers", "distload-noshm")
+# the checkpoint), distload with its same-node shared memory turned off, distload with huge-page params
+# (DISTLOAD_HUGEPAGES=1, see distload/host_memory.py), and the baseline filling huge-page params too (what
+# that allocation alone changes).
+EXTRA_LOADERS = ("distload-all-readers", "distload-noshm", "distload-thp", "every-rank-reads-thp")
 BASELINE = "every-rank-reads"
 
 
@@ -264,10 +266,18 @@ class Context:
         if "fastsafetensors" in loaders:
             import fastsafetensors  # noqa: F401
 
-    def allocate(self):
-        from distload.loader import allocate
+    def allocate(self, huge_pages: bool = False):
+        """The params the other loaders fill: `torch.empty` per param, as a model's constructor makes them
+        (vLLM's loaders fill the module the model built). huge_pages: in transparent huge pages, as distload
+        allocates with DISTLOAD_HUGEPAGES=1 (distload/host_memory.py), to show what that alone changes."""
+        from distload import host_memory
+        from distload.dtypes import torch_dtype
 
-        return allocate(self.plan.specs[self.rank], "cpu")
+        specs = self.plan.specs[self.rank]
+        params = {name: host_memory.empty(s.local_shape, torch_dtype(s.dtype), huge=huge_pages)
+                  for name, s in specs.items() if not s.alias_of}
+        params.update({name: params[s.alias_of] for name, s in specs.items() if s.alias_of})
+        return params
 
     def region(self, params, param, piece):
         """The piece's destination in the param (a 2-D view)."""
@@ -311,11 +321,11 @@ def load_distload(ctx: Context, readers):
     return result.params, result.report["per_rank"][ctx.rank]["bytes_received"]
 
 
-def load_every_rank_reads(ctx: Context):
+def load_every_rank_reads(ctx: Context, huge_pages: bool = False):
     """vLLM's DefaultModelLoader on every rank: open every file, copy this rank's slices into its params."""
     from safetensors import safe_open
 
-    params = ctx.allocate()
+    params = ctx.allocate(huge_pages)
     for f in ctx.files:
         with safe_open(str(ctx.ckpt / f), framework="pt") as fh:
             for name in fh.keys():
@@ -414,14 +424,18 @@ def run_loader(ctx: Context, loader: str):
         return load_distload(ctx, 1)
     if loader == "distload-all-readers":
         return load_distload(ctx, ctx.world)
-    if loader == "distload-noshm":
-        os.environ["DISTLOAD_SHM"] = "0"
+    switched = {"distload-noshm": ("DISTLOAD_SHM", "0"), "distload-thp": ("DISTLOAD_HUGEPAGES", "1")}
+    if loader in switched:
+        name, value = switched[loader]
+        os.environ[name] = value
         try:
             return load_distload(ctx, "per-node")
         finally:
-            del os.environ["DISTLOAD_SHM"]
+            del os.environ[name]
     if loader == BASELINE:
         return load_every_rank_reads(ctx)
+    if loader == "every-rank-reads-thp":
+        return load_every_rank_reads(ctx, huge_pages=True)
     if loader == "fastsafetensors":
         return load_fastsafetensors(ctx)
     if loader == "dcp":

@@ -1,0 +1,82 @@
+"""Huge-page-backed host tensors (distload/host_memory.py): what the params and staging buffers are made of."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from distload import host_memory
+from distload.loader import allocate
+from distload.plan import ParamSpec
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _mapping_of(ptr: int) -> dict | None:
+    """The /proc/self/smaps entry (header + fields) of the mapping holding address `ptr`."""
+    entry = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            entry = {"range": (lo, hi)} if lo <= ptr < hi else None
+        elif entry is not None and ":" in line:
+            key, value = line.split(":", 1)
+            entry[key] = value.strip()
+            if key == "VmFlags":
+                return entry
+    return None
+
+
+def test_big_tensor_is_its_own_aligned_storage_with_the_right_shape():
+    t = host_memory.empty((3, 1 << 20), torch.bfloat16, huge=True)
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+    t.fill_(2.5)
+    assert t.float().sum().item() == 2.5 * 3 * (1 << 20)
+    u = host_memory.empty((1 << 21,), torch.float8_e4m3fn, huge=True)
+    assert u.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="this kernel gives no huge pages")
+def test_big_tensor_asks_for_huge_pages_and_is_unmapped_with_its_last_view():
+    t = host_memory.empty((8 << 20,), torch.uint8, huge=True)
+    ptr = t.data_ptr()
+    t.fill_(1)  # touch: the pages come now
+    mapping = _mapping_of(ptr)
+    assert mapping is not None and " hg" in " " + mapping["VmFlags"], mapping  # hg: MADV_HUGEPAGE was applied
+    view = t[4096:]
+    del t
+    gc.collect()
+    assert _mapping_of(ptr) is not None  # a view keeps the memory
+    del view
+    gc.collect()
+    assert _mapping_of(ptr) is None
+
+
+def _asked_for_huge_pages(t: torch.Tensor) -> bool:
+    return " hg" in " " + _mapping_of(t.data_ptr())["VmFlags"]
+
+
+def test_small_tensors_and_the_default_use_torchs_allocator(monkeypatch):
+    assert not _asked_for_huge_pages(host_memory.empty((16,), torch.float32, huge=True))  # too small to ask
+    monkeypatch.delenv("DISTLOAD_HUGEPAGES", raising=False)
+    assert not _asked_for_huge_pages(host_memory.empty((4 << 20,), torch.uint8))  # opt-in: off by default
+
+
+def test_allocate_uses_it_when_asked_and_keeps_tied_aliases(monkeypatch):
+    monkeypatch.setenv("DISTLOAD_HUGEPAGES", "1")
+    def spec(name, shape, dtype, alias_of=None):
+        return ParamSpec(name=name, style="replicated", dtype=dtype, global_shape=shape, local_shape=shape,
+                         alias_of=alias_of)
+
+    specs = {"a.weight": spec("a.weight", (1024, 2048), "BF16"),
+             "b.weight": spec("b.weight", (1024, 2048), "BF16", alias_of="a.weight"),
+             "n.weight": spec("n.weight", (64,), "F32")}
+    params = allocate(specs, "cpu")
+    assert params["b.weight"] is params["a.weight"]
+    assert params["a.weight"].data_ptr() % host_memory.HUGE_PAGE == 0
+    assert params["n.weight"].shape == (64,) and params["n.weight"].dtype == torch.float32
