@@ -11,13 +11,22 @@ import tempfile
 
 
 def _readers(value: str):
-    return value if value == "per-node" else int(value)
+    from .topology import READER_CHOICES
+
+    if value in ("per-node", "owners"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: choose {READER_CHOICES}") from None
 
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides the world size)")
-    p.add_argument("--readers", type=_readers, default="per-node", help="'per-node' (local rank 0 of each node) or N")
+    p.add_argument("--readers", type=_readers, default="per-node",
+                   help="'per-node' (local rank 0 of each node reads), N (N readers over the nodes), or 'owners' "
+                        "(one node: each rank copies its own pieces from the page cache, no second copy)")
     p.add_argument("--config", default=None, help="rules file (TOML) instead of the one chosen from config.json")
     p.add_argument("--no-strict", dest="strict", action="store_false", help="warn about missing/unexpected instead of failing")
     p.add_argument("--device", default=None, help="device for params (default cuda:LOCAL_RANK if CUDA, else cpu)")

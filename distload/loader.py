@@ -17,6 +17,7 @@ from .checkpoint import RangeReader, choose_strategy, discover
 from .dtypes import torch_dtype
 from .errors import CheckpointError, PlanError
 from .integrity import checksum_problems, checksum_verdict, files_for_reader, finite_verdict, nonfinite
+from .owner_reads import OwnerReads
 from .plan import DEFAULT_STAGING_BYTES, LoadPlan, ParamSpec, build_plan
 from .postprocess import PostProcess
 from .reconcile import Verdict, reconcile
@@ -157,8 +158,9 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
 
         return DcpReader(index, strategy) if isinstance(index, DcpIndex) else RangeReader(index.root, strategy=strategy)
 
+    owners = plan.layout.owner_reads and _owner_reads_possible(plan, index, topo.device, post)
     reader, transfer = transfer_phase(plan, topo, params, open_reader, progress,
-                                      on_bucket_done=post and post.on_bucket_done)
+                                      on_bucket_done=post and post.on_bucket_done, owner_reads=owners)
     clock.lap("transfer")
 
     written = transfer.stats.written
@@ -190,20 +192,44 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     return hand_off(result, clock, save if save_sharded else None, save_sharded, report)
 
 
+def _owner_reads_possible(plan: LoadPlan, index, device: str, post) -> bool:
+    """--readers owners copies safetensors bytes into host params as they are; anything else takes the
+    normal path (every rank is then a reader of its share of the buckets), and the log says why."""
+    from .checkpoint.legacy import is_legacy_file
+    from .dcp import DcpIndex
+
+    why = None
+    if post is not None:
+        why = "post-load steps (quantization) run per bucket"
+    elif isinstance(index, DcpIndex):
+        why = "a torch.distributed.checkpoint directory is read chunk by chunk"
+    elif any(is_legacy_file(src.file) for src in plan.sources.values()):
+        why = "torch.load files are unpickled whole"
+    elif not device.startswith("cpu"):
+        why = f"params on {device} need a host buffer between the file and the device"
+    if why:
+        log.info("--readers owners: not here (%s); every rank reads its share of the buckets instead", why)
+    return why is None
+
+
 def transfer_phase(plan: LoadPlan, topo, params: dict[str, torch.Tensor], open_reader, progress: bool,
-                   on_bucket_done=None, after_transfer=None):
-    """Phase 5 on this rank: a rank with buckets to read opens its reader, every rank runs the transfer,
-    padding is zeroed, and all ranks agree; returns (reader, transfer) for the report."""
+                   on_bucket_done=None, after_transfer=None, owner_reads: bool = False):
+    """Phase 5 on this rank: a rank with buckets to read opens its reader, every rank runs the transfer
+    (or, owner_reads, copies its own pieces from the files: owner_reads.py), padding is zeroed, and all
+    ranks agree; returns (reader, transfer) for the report."""
     rank = topo.rank
     reader, transfer = None, None
 
     def move():
         nonlocal reader, transfer
-        if any(b.reader == rank for b in plan.buckets):
+        if owner_reads or any(b.reader == rank for b in plan.buckets):
             reader = open_reader()
-        bar = Progress(plan.checkpoint_bytes, enabled=progress and rank == 0)
-        transfer = Transfer(plan, rank, params, reader=reader, device=topo.device,
-                            progress=bar if rank == 0 else None, on_bucket_done=on_bucket_done)
+        if owner_reads:
+            transfer = OwnerReads(plan, rank, params, reader)
+        else:
+            bar = Progress(plan.checkpoint_bytes, enabled=progress and rank == 0)
+            transfer = Transfer(plan, rank, params, reader=reader, device=topo.device,
+                                progress=bar if rank == 0 else None, on_bucket_done=on_bucket_done)
         transfer.run()
         zero_padding(params, plan.staging_specs(rank), transfer.stats)
         if transfer.error is not None:

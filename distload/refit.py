@@ -200,7 +200,7 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
         index = {n: TensorEntry(n, n, dtype, shape, 0, math.prod(shape) * itemsize(dtype))
                  for n, (dtype, shape) in meta.items()}
         staging = (staging_mib << 20) if staging_mib else DEFAULT_STAGING_BYTES
-        plan = build_plan(index, hf_config, family, replace(layout, readers=(src,)), strict=False,
+        plan = build_plan(index, hf_config, family, replace(layout, readers=(src,), owner_reads=False), strict=False,
                           staging_bytes=staging, quantize=quantize, dequantize=dequantize)
         if plan.unexpected:
             raise PlanError(f"refit refused before any byte moved: the rules ({family.source}) place no param for "

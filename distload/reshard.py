@@ -115,7 +115,7 @@ def same_topology_plan(manifest: dict, layout: Layout, staging_bytes: int) -> Lo
 def _plan(manifest, layout: Layout, specs, sources, reader_of, staging_bytes) -> LoadPlan:
     buckets = _bucketed(sources, reader_of, layout.world, staging_bytes)
     readers = tuple(sorted(set(reader_of.values()))) or (0,)
-    return LoadPlan(family=manifest["config_name"], layout=replace(layout, readers=readers), specs=specs,
+    return LoadPlan(family=manifest["config_name"], layout=replace(layout, readers=readers, owner_reads=False), specs=specs,
                     sources={s.name: s for s in sources}, buckets=buckets,
                     checkpoint_bytes=sum(s.nbytes for s in sources))
 

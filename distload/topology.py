@@ -26,6 +26,7 @@ class Layout:
     local_world: int = 0                                  # ranks per node (0: all on one node)
     expert_placement: str = "linear"
     expert_map: tuple[tuple[int, ...], ...] | None = None  # EPLB: per rank, the global expert ids it hosts
+    owner_reads: bool = False                             # --readers owners: each rank reads its own pieces
 
     def __post_init__(self):
         if self.world < 1:
@@ -42,6 +43,8 @@ class Layout:
         bad = [r for r in self.readers if not 0 <= r < self.world]
         if not self.readers or bad or len(set(self.readers)) != len(self.readers):
             raise DistloadError(f"reader ranks {list(self.readers)} must be distinct ranks in 0..{self.world - 1}")
+        if self.owner_reads and len(self.readers) != self.world:
+            raise DistloadError("owner reads need every rank to be a reader")
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
@@ -58,13 +61,26 @@ class Layout:
         return rank % self.expert_group_size
 
 
+READER_CHOICES = "'per-node', 'owners' (one node only) or a number of readers"
+
+
 def reader_ranks(world: int, local_world: int, readers: str | int) -> tuple[int, ...]:
-    """'per-node': local rank 0 of each node; N: N readers spread evenly over the nodes."""
+    """'per-node': local rank 0 of each node; 'owners': every rank (owner_reads.py; one node only);
+    N: N readers spread evenly over the nodes."""
     local_world = local_world or world
     nodes = max(1, world // local_world)
     if readers == "per-node":
         return tuple(n * local_world for n in range(nodes))
-    n = int(readers)
+    if readers == "owners":
+        if nodes > 1:
+            raise DistloadError(f"--readers owners: each rank reads its own pieces, which on {nodes} nodes would "
+                                f"read a tensor from storage once per node that needs it; use --readers per-node "
+                                f"(one reader per node) or --readers {world} (every rank reads, each byte once)")
+        return tuple(range(world))
+    try:
+        n = int(readers)
+    except ValueError:
+        raise DistloadError(f"--readers {readers!r}: choose {READER_CHOICES}") from None
     if not 1 <= n <= world:
         raise DistloadError(f"--readers {n}: must be between 1 and the world size {world}, or 'per-node'")
     # Round-robin over nodes first so that N readers use N nodes' storage links before doubling up.
@@ -110,7 +126,7 @@ def from_environment(tp: int | None = None, ep: int = 1, readers: str | int = "p
     if backend is None:
         backend = "nccl" if device.startswith("cuda") else "gloo"
     layout = Layout(world=world, tp=tp or world, ep=ep, readers=reader_ranks(world, local_world, readers),
-                    local_world=local_world, expert_placement=expert_placement,
+                    local_world=local_world, expert_placement=expert_placement, owner_reads=readers == "owners",
                     expert_map=tuple(tuple(ids) for ids in expert_map) if expert_map is not None else None)
     return Topology(rank=rank, local_rank=local_rank, node=node, layout=layout, device=device, backend=backend,
                     timeout_s=timeout_s)

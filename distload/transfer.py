@@ -298,13 +298,13 @@ class TransferStats:
     written: dict[str, list[tuple[int, int, int, int]]] = field(default_factory=dict)  # param -> rectangles
 
 
-def _typed2d(t: torch.Tensor) -> torch.Tensor:
+def typed2d(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's 2-D view, the same one the plan uses (shard.view2d: 1-D [n] is [n, 1])."""
     _require_contiguous(t, "param")
     return t.view(view2d(tuple(t.shape)))
 
 
-def _as_bytes2d(t: torch.Tensor) -> torch.Tensor:
+def as_bytes2d(t: torch.Tensor) -> torch.Tensor:
     """The same view in bytes: [rows, cols * itemsize] (bit-exact for every dtype, float8 included)."""
     rows, cols = view2d(tuple(t.shape))
     return t.reshape(-1).view(torch.uint8).view(rows, cols * t.element_size())
@@ -509,7 +509,7 @@ class Transfer:
         isz = dst.element_size()
         r0, c0 = piece.dst_row, piece.dst_col
         rows, cols = piece.rows[1] - piece.rows[0], piece.cols[1] - piece.cols[0]
-        region = _as_bytes2d(dst)[r0:r0 + rows, c0 * isz:(c0 + cols) * isz]
+        region = as_bytes2d(dst)[r0:r0 + rows, c0 * isz:(c0 + cols) * isz]
         return region.reshape(-1) if region.is_contiguous() else None
 
     def _via_shm(self, bucket: Bucket, rank: int) -> bool:
@@ -576,10 +576,10 @@ class Transfer:
         r0, c0 = piece.dst_row, piece.dst_col
         if dst.dtype == torch_dtype(src_dtype):
             isz = dst.element_size()
-            _as_bytes2d(dst)[r0:r0 + rows, c0 * isz:(c0 + cols) * isz].copy_(block_bytes)
+            as_bytes2d(dst)[r0:r0 + rows, c0 * isz:(c0 + cols) * isz].copy_(block_bytes)
         else:  # the caller's module has another dtype: convert while copying (one piece at a time)
             typed = block_bytes.contiguous().view(torch_dtype(src_dtype)).view(rows, cols)
-            _typed2d(dst)[r0:r0 + rows, c0:c0 + cols].copy_(typed)
+            typed2d(dst)[r0:r0 + rows, c0:c0 + cols].copy_(typed)
         self._record(param, piece)
 
     def _record(self, param: str, piece) -> None:
@@ -909,5 +909,5 @@ def zero_padding(params: dict[str, torch.Tensor], specs, stats: TransferStats) -
         if spec.alias_of or not spec.padding:
             continue
         for r0, r1, c0, c1 in spec.padding:
-            _typed2d(params[name])[r0:r1, c0:c1].zero_()
+            typed2d(params[name])[r0:r1, c0:c1].zero_()
             stats.written.setdefault(name, []).append((r0, r1, c0, c1))

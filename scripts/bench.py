@@ -10,6 +10,8 @@ loader, cold and warm, alternating, `--reps` times; the median is reported. Load
 preallocated serving-layout params (vLLM's names and shards) on every rank:
 
 - distload:        this project (`readers` per node; on two nodes also with a single reader);
+- distload-owners: this project with `--readers owners` (one node only): every rank copies its own pieces
+                   from the page cache (distload/owner_reads.py);
 - every-rank-reads: vLLM's default loader: each rank `safe_open`s every file and copies its own slices
                    (`get_slice`) into its params;
 - fastsafetensors: its distributed loader as vLLM drives it: files spread over the ranks, each rank reads
@@ -60,7 +62,9 @@ LLAMA_SHAPE = {
 QUICK_SHAPE = {**LLAMA_SHAPE, "hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 8,
                "num_key_value_heads": 4, "vocab_size": 2000}
 
-LOADERS = ("distload", "distload-1reader", "every-rank-reads", "fastsafetensors", "dcp")
+LOADERS = ("distload", "distload-owners", "distload-1reader", "every-rank-reads", "fastsafetensors", "dcp")
+ONE_NODE_ONLY = ("distload-owners",)  # refused across nodes (it would read a tensor once per node)
+TWO_NODES_ONLY = ("distload-1reader",)
 # Not in the default set: distload with every rank a reader (each byte still read once: the readers split
 # the checkpoint), distload with its same-node shared memory turned off, distload with huge-page params
 # (DISTLOAD_HUGEPAGES=1, see distload/host_memory.py), and the baseline filling huge-page params too (what
@@ -424,6 +428,8 @@ def run_loader(ctx: Context, loader: str):
         return load_distload(ctx, 1)
     if loader == "distload-all-readers":
         return load_distload(ctx, ctx.world)
+    if loader == "distload-owners":
+        return load_distload(ctx, "owners")
     switched = {"distload-noshm": ("DISTLOAD_SHM", "0"), "distload-thp": ("DISTLOAD_HUGEPAGES", "1")}
     if loader in switched:
         name, value = switched[loader]
@@ -711,12 +717,13 @@ def checks(summary: list[dict], staging_bytes: int) -> list[tuple[str, bool | No
         r = d["seconds"] / b["seconds"]
         out.append(("2 nodes cold: distload time <= 0.8x baseline", r <= 0.8,
                     f"{d['seconds']:.2f}s vs {b['seconds']:.2f}s = {r:.2f}x"))
-    for world in sorted({s["world"] for s in summary if s["nodes"] == 1}):
-        for cache, limit in (("cold", 1.0), ("warm", 1.25)):
-            ds, bs = sec((1, world, cache, "distload")), sec((1, world, cache, BASELINE))
-            if ds and bs:
-                out.append((f"1 node x {world} {cache}: distload <= {limit}x baseline", ds / bs <= limit,
-                            f"{ds:.2f}s vs {bs:.2f}s = {ds / bs:.2f}x"))
+    for loader in ("distload", "distload-owners"):
+        for world in sorted({s["world"] for s in summary if s["nodes"] == 1}):
+            for cache, limit in (("cold", 1.0), ("warm", 1.25)):
+                ds, bs = sec((1, world, cache, loader)), sec((1, world, cache, BASELINE))
+                if ds and bs:
+                    out.append((f"1 node x {world} {cache}: {loader} <= {limit}x baseline", ds / bs <= limit,
+                                f"{ds:.2f}s vs {bs:.2f}s = {ds / bs:.2f}x"))
     slower = []
     compared = 0
     for s in summary:
@@ -785,7 +792,7 @@ def chart(summary: list[dict], path: Path) -> None:
             groups.append(g)
     loaders = [name for name in LOADERS + EXTRA_LOADERS if any(s["loader"] == name for s in summary)]
     at = {(s["scenario"], s["cache"], s["loader"]): s for s in summary}
-    colors = {"distload": "#1f77b4", "distload-1reader": "#6baed6", BASELINE: "#d62728",
+    colors = {"distload": "#1f77b4", "distload-1reader": "#6baed6", "distload-owners": "#ff7f0e", BASELINE: "#d62728",
               "fastsafetensors": "#2ca02c", "dcp": "#9467bd", "distload-noshm": "#17becf",
               "distload-all-readers": "#08306b"}
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(groups) + 2), 7.5), sharex=True)
@@ -888,7 +895,7 @@ def main(argv=None) -> int:
     notes = []
     with open(log_path, "w") as log:
         for world in ranks:
-            loaders = [x for x in (args.loaders or ",".join(LOADERS)).split(",") if x != "distload-1reader"]
+            loaders = [x for x in (args.loaders or ",".join(LOADERS)).split(",") if x not in TWO_NODES_ONLY]
             print(f"[bench] 1 node x {world} rank(s): {', '.join(loaders)}; {args.caches}; {args.reps} rep(s)",
                   flush=True)
             rc = run_one_node(ckpt, world, jsonl, args, loaders, log)
@@ -905,7 +912,7 @@ def main(argv=None) -> int:
                     os.sync()  # dirty pages cannot be evicted: a cold run must find the files on disk
                 mount = workdir / "node-mount"
                 mount.mkdir(exist_ok=True)
-                loaders = (args.loaders or ",".join(LOADERS)).split(",")
+                loaders = [x for x in (args.loaders or ",".join(LOADERS)).split(",") if x not in ONE_NODE_ONLY]
                 print(f"[bench] 2 nodes x 2 ranks (emulated): {', '.join(loaders)}; {args.caches}; {args.reps} rep(s)",
                       flush=True)
                 rc = run_two_nodes([ckpt, copy], mount, jsonl, args, loaders, log)

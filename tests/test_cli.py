@@ -160,3 +160,25 @@ def test_process_group_is_freed_even_if_torch_distributed_nn_is_imported_later()
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "gloo threads left: []" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_owner_reads_under_torchrun(dense_checkpoints, tmp_path):
+    """--readers owners: every rank a reader of its own pieces only (the same bytes as the default path)."""
+    from hf_models import checkpoint_tensors, read_config
+    from safetensors.torch import load_file
+
+    ckpt, out, report_path = dense_checkpoints["llama"], tmp_path / "owners", tmp_path / "r.json"
+    proc = torchrun(2, "load", ckpt, "--readers", "owners", "--save-sharded", str(out), "--report", str(report_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(report_path.read_text())
+    assert report["ok"] and report["readers"] == [0, 1]
+    reads = [r["bytes_read"] for r in report["per_rank"]]
+    assert all(0 < n < report["checkpoint_bytes"] for n in reads), reads  # each its own share, not all of it
+    assert all(r["bytes_received"] == 0 for r in report["per_rank"])
+    hf, config = checkpoint_tensors(ckpt), read_config(ckpt)
+    for rank in range(2):
+        saved = load_file(str(out / f"rank-{rank:05d}-of-00002.safetensors"))
+        for name, t in serving_shards(hf, config, rank, 2).items():
+            assert torch.equal(saved[name], t), (rank, name)
+    bad = torchrun(1, "inspect", ckpt, "--readers", "several")
+    assert bad.returncode != 0 and "choose 'per-node', 'owners'" in bad.stderr, bad.stderr[-2000:]

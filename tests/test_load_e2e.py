@@ -170,3 +170,63 @@ def _load_with_rank_dependent_staging(path: str) -> str:
 def test_ranks_with_different_plans_fail_instead_of_hanging(dense_checkpoints):
     messages = run_ranks(2, _load_with_rank_dependent_staging, dense_checkpoints["llama"], timeout=120)
     assert all("ranks computed different load plans" in m for m in messages), messages
+
+
+def _own_piece_bytes(plan, rank: int) -> int:
+    from distload.dtypes import itemsize
+
+    return sum(d.piece.numel * itemsize(src.dtype) for src in plan.sources.values() for d in src.deliveries
+               if d.rank == rank)
+
+
+def _load_with_owner_reads(checkpoints: dict) -> dict:
+    import torch.distributed as dist
+
+    import distload
+
+    opened = record_weight_opens(checkpoints.values())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = []
+    for fam, path in sorted(checkpoints.items()):
+        result = distload.load(path, tp=world, readers="owners", progress=False)
+        problems += differences(result.params, _expected(path, rank, world), f"owners {fam} rank{rank}")
+        report = result.report
+        if not report["ok"] or report["readers"] != list(range(world)):
+            problems.append(f"owners {fam}: ok={report['ok']} readers={report['readers']}")
+        # each rank read exactly its own pieces (replicated ones included), nothing else, and sent nothing
+        mine = report["per_rank"][rank]
+        if mine["bytes_read"] != _own_piece_bytes(result.plan, rank) or mine["bytes_received"] or mine["bytes_sent"]:
+            problems.append(f"owners {fam} rank{rank}: read {mine['bytes_read']} (own pieces "
+                            f"{_own_piece_bytes(result.plan, rank)}), received {mine['bytes_received']}, "
+                            f"sent {mine['bytes_sent']}")
+    # into a module of another dtype: pieces converted while copied, both the whole-row and the strided ones
+    path = checkpoints["qwen2"]
+    module = module_from_specs(distload.inspect(path, tp=world).specs[rank]).to(torch.float64)
+    distload.load_into(module, path, tp=world, readers="owners", progress=False)
+    got = {n: p.data for n, p in module.named_parameters(remove_duplicate=False)}
+    problems += differences(got, {n: t.double() for n, t in _expected(path, rank, world).items()},
+                            f"owners load_into float64 rank{rank}")
+    # a post-load step cannot run per piece: it falls back to the bucketed path, same result
+    fp8_owners = distload.load(path, tp=world, readers="owners", quantize="fp8", progress=False)
+    fp8_default = distload.load(path, tp=world, quantize="fp8", progress=False)
+    problems += differences(fp8_owners.params, fp8_default.params, f"owners --quantize fp8 rank{rank}")
+    return {"problems": problems, "opened": len(set(opened))}
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_owner_reads_exact(dense_checkpoints, world):
+    results = run_ranks(world, _load_with_owner_reads, dense_checkpoints)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert all(r["opened"] > 0 for r in results)  # every rank is a reader in this mode
+
+
+def test_owner_reads_refused_across_nodes():
+    from distload.errors import DistloadError
+    from distload.topology import reader_ranks
+
+    assert reader_ranks(4, 4, "owners") == (0, 1, 2, 3)
+    with pytest.raises(DistloadError, match="owners.*2 nodes.*--readers per-node"):
+        reader_ranks(4, 2, "owners")
+    with pytest.raises(DistloadError, match="'some'.*per-node.*owners"):
+        reader_ranks(4, 4, "some")

@@ -81,6 +81,15 @@ class RangeReader:
             self.bytes_read += count
         return count
 
+    def fd_of(self, entry_file: str) -> int:
+        """This reader's descriptor of a safetensors file (opened on first use, closed by close())."""
+        return self._fd(entry_file)
+
+    def count_read(self, nbytes: int) -> None:
+        """Count bytes this reader's caller copied out of a file another way (a map of it)."""
+        with self._lock:
+            self.bytes_read += nbytes
+
     def prefetch(self, entry_file: str, offset: int, nbytes: int) -> None:
         """Ask the kernel to start fetching a range we will read soon (strategy "prefetch" only)."""
         if self.strategy != "prefetch" or is_legacy_file(entry_file) or nbytes <= 0:
