@@ -23,7 +23,7 @@ from .rules import FamilyRules, ParamRule
 from .shard import LocalLayout, Part, Piece, cut, view2d
 from .topology import Layout
 
-# One bucket (a reader reads it into one staging slot; a rank holds a few: see transfer.py). Measured on
+# One bucket (a reader reads it into one staging slot; a rank holds a few: see transfer/). Measured on
 # a 1 GiB Llama at 4 ranks (scripts/bench.py, BENCHMARKS.md): 8, 16 and 32 MiB load in the same time within
 # noise, and each doubling costs ~30 MiB more peak RSS per rank; smaller buckets mean more messages.
 DEFAULT_STAGING_BYTES = 16 << 20

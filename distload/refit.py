@@ -6,7 +6,7 @@
 The source holds full tensors under checkpoint (Hugging Face) names. Only their names, dtypes and shapes
 travel as metadata; from them every rank builds the same plan a load of a checkpoint with those tensors
 would get (same rules, same layout), with the source as the single reader. `MemoryReader` serves the
-source's reads from its tensors instead of files, so the bytes move through transfer.py like any load:
+source's reads from its tensors instead of files, so the bytes move through transfer/ like any load:
 bounded staging buckets, broadcast or point-to-point, each rank receiving only what it keeps, written
 into the existing params in place. Then reconcile.py checks that every element was written exactly once
 and that replicas agree.
@@ -162,7 +162,7 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
         import torch.distributed as dist
 
         if group is not dist.group.WORLD:
-            raise DistloadError("refit over a process sub-group is not supported yet (transfer.py uses the default "
+            raise DistloadError("refit over a process sub-group is not supported yet (the transfer uses the default "
                                 "group): make the serving ranks and the source one job, and pass group=None")
     from .loader import LoadResult
 

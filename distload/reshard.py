@@ -3,7 +3,7 @@
 The saved rank files are presented to the transfer engine as a checkpoint whose tensors are the saved
 shards: source `rank-00002-of-00004.safetensors::model.layers.0.mlp.down_proj.weight` is rank 2's shard as
 saved, at the byte offset the manifest records. The plan that delivers them is an ordinary LoadPlan, so
-transfer.py moves the bytes, reconcile.py checks them, and nothing here touches a file or a process group.
+transfer/ moves the bytes, reconcile.py checks them, and nothing here touches a file or a process group.
 
 Same topology: each source goes whole to the rank that saved it, and that rank is its reader. Every rank
 reads its own file only, and no byte crosses the wire (a bucket nobody else receives is never sent).

@@ -4,7 +4,7 @@ Tiny real Hugging Face checkpoints (tests/hf_models.py) give the entries, config
 rules. The plan only reads metadata, so values are made up here: every checkpoint tensor is filled with
 `arange + offset` (offsets running over the whole checkpoint, so every element is unique). Each rank's
 params are then built twice, once straight from the deliveries and once through the buckets' wire
-items (a byte-level simulation of what transfer.py does), and compared with layout_oracle.py, an
+items (a byte-level simulation of what transfer/ does), and compared with layout_oracle.py, an
 independent slicing of the same tensors into the serving layout.
 """
 

@@ -224,7 +224,7 @@ def _moe_entries(kind: str, block=(16, 16)) -> dict:
 
 
 def _materialise(plan, rank: int, values: dict) -> dict:
-    """Each staging param of `rank`, filled from `values` by the plan's deliveries (what transfer.py does)."""
+    """Each staging param of `rank`, filled from `values` by the plan's deliveries (what transfer/ does)."""
     specs = plan.staging_specs(rank)
     out = {n: torch.full(view2d(s.local_shape), float("nan")) for n, s in specs.items()}
     for src in plan.sources.values():

@@ -1,410 +1,22 @@
-"""The only module that moves bytes between ranks (DESIGN §3, §2 step 5).
-
-Readers read byte ranges of the checkpoint into reusable staging buffers (a read-ahead thread keeps
-the next bucket coming while this one is on the wire); each bucket goes out as one collective —
-`broadcast` when every rank keeps the whole tensor, point-to-point sends otherwise, so a rank receives
-only the bytes it keeps — and receivers copy the pieces into their preallocated params. With gloo on CPU,
-ranks on a reader's node take their pieces straight out of its shared-memory read buffers instead (only a
-token and a reply per bucket travel): sharded bytes never cross a socket within a node.
-
-Everything on the wire is raw bytes in contiguous uint8 buffers: gloo cannot send float8 and silently
-corrupts non-contiguous tensors (it sends the storage's first bytes), while `view(torch.uint8)` of a
-contiguous buffer is bit-exact. Backend differences (NCCL needs device buffers, gloo host ones) live
-here and nowhere else.
-"""
+"""The bucketed transfer: one plan's bytes into this rank's preallocated params."""
 
 from __future__ import annotations
 
-import itertools
-import mmap
-import os
-import pickle
-import queue
-import re
-import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import faults, host_memory
-from .dtypes import torch_dtype
-from .errors import DistloadError, RankFailure
-from .plan import Bucket, Item, LoadPlan, Source, broadcast_offset, clip
-from .shard import view2d
-
-# ----------------------------------------------------------------------------------------------------
-# Small collectives (metadata, agreement, the reference forward)
-
-
-def _active() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _require_contiguous(t: torch.Tensor, what: str) -> None:
-    # gloo sends a non-contiguous tensor's *storage* bytes from its first element: silent corruption.
-    if not t.is_contiguous():
-        raise RuntimeError(f"{what}: wire buffers must be contiguous (gloo would corrupt a strided tensor)")
-
-
-def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum `t` over the group, in place."""
-    _require_contiguous(t, "all_reduce_sum")
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
-
-
-def all_gather_cat(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Concatenate every rank's `t` along `dim`, in rank order (equal shapes on all ranks)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return t
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t, group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _object_device() -> torch.device:
-    # NCCL moves only device tensors; gloo only host ones.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def broadcast_object(obj, src: int = 0):
-    """Send a picklable object from `src` to every rank (metadata: headers, config, errors)."""
-    if not _active():
-        return obj
-    dev = _object_device()
-    if dist.get_rank() == src:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(dev)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=dev)
-    dist.broadcast(size, src)
-    if dist.get_rank() != src:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-    dist.broadcast(payload, src)
-    return obj if dist.get_rank() == src else pickle.loads(payload.cpu().numpy().tobytes())
-
-
-def computed_on_rank0(fn):
-    """Run fn on rank 0 only (metadata: headers, manifests) and hand every rank its result; if it
-    raised, every rank raises the same exception."""
-    payload = None
-    if not _active() or dist.get_rank() == 0:
-        try:
-            payload = ("ok", fn())
-        except Exception as exc:
-            payload = ("error", exc)
-    kind, value = broadcast_object(payload, src=0)
-    if kind == "error":
-        raise value
-    return value
-
-
-def all_gather_objects(obj) -> list:
-    """Every rank's picklable `obj`, in rank order (small records only: all_gather is slow on gloo)."""
-    if not _active():
-        return [obj]
-    dev = _object_device()
-    data = pickle.dumps(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev))
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in sizes]
-    dist.all_gather(out, mine)
-    return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
-
-
-def _failure_records(mine: str | None) -> list:
-    """Every rank's failure message (None: fine). One small all-reduce when all are fine, as they nearly
-    always are; the messages themselves are gathered only when some rank failed."""
-    if not _active():
-        return [mine]
-    failed = torch.tensor([0 if mine is None else 1], dtype=torch.int64, device=_object_device())
-    dist.all_reduce(failed, op=dist.ReduceOp.SUM)
-    if int(failed.item()) == 0:
-        return [None] * dist.get_world_size()
-    return all_gather_objects(mine)
-
-
-def agree(phase: str, error: BaseException | None) -> None:
-    """The agreement step that ends every phase: if any rank failed, every rank raises, naming it.
-
-    Each rank contributes (ok, message); nobody is left waiting in a later collective for a peer that
-    already raised.
-    """
-    step = next(_agreement_steps)
-    if error is None:
-        try:
-            faults.hit(phase)  # test hook (DISTLOAD_FAULT), a no-op otherwise
-        except Exception as exc:
-            error = exc
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    if isinstance(error, LostPeer):
-        raise _postmortem(phase, step, error) from error  # the group is broken: no collective can agree now
-    if mine is not None:
-        _tell_store(step, mine)  # so that peers learn why even if the collective below breaks
-    try:
-        records = _failure_records(mine)
-    except Exception as exc:  # a peer died or hung past the timeout during this very step
-        raise _postmortem(phase, step, LostPeer(f"agreeing on {phase}", exc)) from exc
-    failures = {r: m for r, m in enumerate(records) if m is not None}
-    if not failures:
-        return
-    if error is not None:
-        # This rank failed itself: its own exception (type, traceback) is the most useful thing to raise.
-        raise error
-    by_message: dict[str, list[int]] = {}
-    for r, m in sorted(failures.items()):
-        by_message.setdefault(m, []).append(r)
-    text = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items())
-    raise RankFailure(f"{phase} failed on {len(failures)} rank(s): {text}", failures)
-
-
-# ----------------------------------------------------------------------------------------------------
-# When a peer is gone: the process group cannot tell who or why, the rendezvous store still can.
-#
-# A killed rank (OOM killer, lost node) leaves its peers with "Connection closed by peer" from gloo (NCCL:
-# a timeout), and a hung one with a timeout, neither naming a rank. Every rank that fails posts its
-# reason to the job's store (torchrun's agent holds it; without torchrun, rank 0); a rank whose collective
-# broke then waits a moment for its peers' reasons and names the ranks that stayed silent.
-
-POSTMORTEM_WAIT_S = 3.0  # how long a broken rank waits for its peers' reasons: they break at about the same time
-_agreement_steps = itertools.count()  # the n-th agreement of this process; equal on all ranks while in step
-
-
-class LostPeer(RuntimeError):
-    """A collective of this rank failed (a peer was killed, crashed, or stayed silent past the timeout)."""
-
-    def __init__(self, doing: str, cause: BaseException):
-        self.doing = doing
-        super().__init__(f"lost a peer while {doing}: {_first_line(cause)}")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    line = text[0] if text else type(error).__name__
-    # gloo: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port. This is typically ..."
-    line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". This is typically")[0]
-    return line[:300]
-
-
-def _store_key(step: int, rank: int) -> str:
-    return f"distload/agreement-{step}/rank-{rank}"
-
-
-def _tell_store(step: int, message: str) -> None:
-    try:
-        dist.distributed_c10d._get_default_store().set(_store_key(step, dist.get_rank()), message[:4000])
-    except Exception:  # the store is gone too; the postmortem will say so
-        pass
-
-
-def _postmortem(phase: str, step: int, error: LostPeer) -> RankFailure:
-    """Name who failed and why from the store, after this rank's process group broke."""
-    me, world = dist.get_rank(), dist.get_world_size()
-    heard: dict[int, str] = {}
-    store_error = None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(_store_key(step, me), f"LostPeer: {error}")
-        deadline = time.monotonic() + POSTMORTEM_WAIT_S
-        while len(heard) < world - 1 and time.monotonic() < deadline:
-            for r in range(world):
-                if r != me and r not in heard and store.check([_store_key(step, r)]):
-                    heard[r] = store.get(_store_key(step, r)).decode(errors="replace")
-            time.sleep(0.05)
-    except Exception as exc:
-        store_error = exc
-    causes = {r: m for r, m in heard.items() if not m.startswith("LostPeer:")}
-    silent = [r for r in range(world) if r != me and r not in heard]
-    parts = [f"{phase} failed: rank {me} {error}"]
-    parts += [f"rank {r} failed: {m}" for r, m in sorted(causes.items())]
-    if silent:
-        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
-        parts.append(f"no word from {who} within {POSTMORTEM_WAIT_S:.0f} s (killed, crashed or hung: see "
-                     f"{'their' if len(silent) > 1 else 'its'} log or the launcher's report; a rank still waiting on the "
-                     "lost one cannot answer either)")
-    if store_error is not None:
-        parts.append(f"the job's store is unreachable too ({_first_line(store_error)}): whoever held it is gone "
-                     "(rank 0 without torchrun, else torchrun's agent)")
-    failures = {**{r: "no word (vanished)" for r in silent}, **causes, me: str(error)}
-    return RankFailure("; ".join(parts), failures)
-
-
-def report_together(seconds: float = 3.0) -> None:
-    """Before a failed rank exits: wait (briefly) until every rank has reported its error.
-
-    Under torchrun the first rank to exit gets the others SIGTERMed within 0.1 s, maybe before they
-    printed why; ranks that fail together leave together instead. A vanished peer costs `seconds`.
-    """
-    if not _active():
-        return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.add("distload/reported", 1)
-        deadline = time.monotonic() + seconds
-        while store.add("distload/reported", 0) < dist.get_world_size() and time.monotonic() < deadline:
-            time.sleep(0.02)
-    except Exception:  # the store went with its host: nobody left to wait for
-        pass
-
-
-def agree_on_plan(plan) -> None:
-    """Every rank must hold the same plan: no control message ever travels, so ranks that planned
-    differently (different distload versions or rules files on different nodes) would wait forever for
-    bytes nobody sends. A digest of the wire schedule, compared once, turns that hang into an error."""
-    import hashlib
-
-    digest = hashlib.sha256(repr((plan.buckets, [len(s) for s in plan.specs])).encode()).hexdigest()[:15]
-    if not _active():
-        return
-    # One all-gather of a fixed-size tensor (60 bits of the digest), not two of pickled objects.
-    mine = torch.tensor([int(digest, 16)], dtype=torch.int64, device=_object_device())
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    digests = [f"{int(d.item()):015x}" for d in every]
-    if len(set(digests)) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        raise RankFailure("ranks computed different load plans (" + "; ".join(f"ranks {rs}: plan {d}" for d, rs in
-                          groups.items()) + "): check that every node runs the same distload version, rules file "
-                          "(--config) and options")
-
-
-def barrier() -> None:
-    if _active():
-        dist.barrier()
-
-
-# ----------------------------------------------------------------------------------------------------
-# Bucketed transfer
-
-
-@dataclass
-class TransferStats:
-    bytes_read: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    buckets: int = 0
-    written: dict[str, list[tuple[int, int, int, int]]] = field(default_factory=dict)  # param -> rectangles
-
-
-def typed2d(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's 2-D view, the same one the plan uses (shard.view2d: 1-D [n] is [n, 1])."""
-    _require_contiguous(t, "param")
-    return t.view(view2d(tuple(t.shape)))
-
-
-def as_bytes2d(t: torch.Tensor) -> torch.Tensor:
-    """The same view in bytes: [rows, cols * itemsize] (bit-exact for every dtype, float8 included)."""
-    rows, cols = view2d(tuple(t.shape))
-    return t.reshape(-1).view(torch.uint8).view(rows, cols * t.element_size())
-
-
-class _BufferPool:
-    """Fixed, reused staging buffers: first-touch page faults cost 3-7x a warm copy, so allocate once."""
-
-    def __init__(self, count: int, nbytes: int, device: torch.device, pin: bool = False, buffers=None):
-        self.free: queue.Queue[torch.Tensor] = queue.Queue()
-        if buffers is None:
-            buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=True) if pin
-                       else host_memory.empty((max(nbytes, 1),), torch.uint8, device) for _ in range(count)]
-        for buf in buffers:
-            self.free.put(buf)
-
-    def get(self) -> torch.Tensor:
-        return self.free.get()
-
-    def put(self, buf: torch.Tensor) -> None:
-        self.free.put(buf)
-
-
-# Shared memory between the ranks of one node (gloo on CPU): a reader's staging buffers are one memfd, and
-# a rank on its node maps it (through /proc/<reader pid>/fd/<fd>) and copies its pieces straight out of it.
-# Over gloo every byte would otherwise be copied into a socket, out of it, and (unless it lands directly)
-# out of a receive buffer, on the same CPUs that do the loading. Only two tiny messages per bucket and rank
-# travel on the wire: the reader's "bucket b is in slot k" token, and the receiver's "done with it" reply,
-# which lets the reader reuse the slot (and brings the timeouts and lost-peer handling of the wire). A memfd
-# has no name to leak: its memory goes when the last process using it exits, however it exits.
-SHM_TOKEN_BYTES = 32    # reader pid, fd, slot index, slot size (int64 each)
-SHM_DONE_BYTES = 8
-
-
-def _shm_usable(world: int, device: torch.device) -> bool:
-    """Same answer on every rank of a node: same machine, same environment, same backend."""
-    return (world > 1 and device.type == "cpu" and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
-            and os.environ.get("DISTLOAD_SHM", "1") != "0" and dist.is_initialized() and dist.get_backend() == "gloo")
-
-
-class _SharedSlots:
-    """A reader's staging buffers, `count` slots of `nbytes`, in one memfd (pages come on first touch)."""
-
-    def __init__(self, count: int, nbytes: int):
-        self.slot_bytes = max(nbytes, 1)
-        self.fd = os.memfd_create("distload-staging", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, count * self.slot_bytes)
-            self.tensor = torch.frombuffer(mmap.mmap(self.fd, count * self.slot_bytes), dtype=torch.uint8)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.slots = [self.tensor[i * self.slot_bytes:(i + 1) * self.slot_bytes] for i in range(count)]
-
-    def token(self, buf: torch.Tensor) -> torch.Tensor:
-        slot = (buf.data_ptr() - self.tensor.data_ptr()) // self.slot_bytes
-        return torch.tensor([os.getpid(), self.fd, slot, self.slot_bytes], dtype=torch.int64).view(torch.uint8)
-
-    def close(self) -> None:
-        """Close the descriptor (the receivers mapped the memory long before: it lives while mapped)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _attach_slot(token: torch.Tensor, attached: dict) -> torch.Tensor:
-    """The slot a token names, mapped into this process (each reader's memory once)."""
-    pid, fd, slot, slot_bytes = (int(x) for x in token.view(torch.int64))
-    if (pid, fd) not in attached:
-        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-        try:
-            attached[(pid, fd)] = torch.frombuffer(mmap.mmap(handle, os.fstat(handle).st_size), dtype=torch.uint8)
-        finally:
-            os.close(handle)
-    return attached[(pid, fd)][slot * slot_bytes:(slot + 1) * slot_bytes]
-
-
-class _ReadAhead(threading.Thread):
-    """Reads this reader's buckets, in order, into pooled host buffers ahead of the wire.
-
-    `fill(bucket, buf)` does the reading (some byte ranges go straight into this rank's own params).
-    """
-
-    def __init__(self, buckets: list[Bucket], fill, pool: _BufferPool):
-        super().__init__(daemon=True, name="distload-read-ahead")
-        self.buckets, self.fill, self.pool = buckets, fill, pool
-        self.ready: queue.Queue = queue.Queue()
-        self.stop = threading.Event()
-
-    def run(self):
-        for bucket in self.buckets:
-            buf = self.pool.get()
-            if self.stop.is_set():
-                return
-            error, direct = None, []
-            try:
-                direct = self.fill(bucket, buf)
-            except BaseException as exc:  # reported at the phase's agreement step; the protocol goes on
-                error = exc
-            self.ready.put((bucket.index, buf, error, direct))
+from .. import faults
+from ..dtypes import torch_dtype
+from ..errors import DistloadError
+from ..plan import Bucket, Item, LoadPlan, Source, broadcast_offset, clip
+from ..shard import view2d
+from .agreement import LostPeer
+from .buffers import (SHM_DONE_BYTES, SHM_TOKEN_BYTES, BufferPool, ReadAhead, SharedSlots, TransferStats,
+                      as_bytes2d, attach_slot, shm_usable, typed2d)
+from .collectives import require_contiguous
 
 
 # Items at least this big whose region is contiguous in the receiver's param travel as a message of
@@ -466,13 +78,13 @@ class Transfer:
         on_cuda = self.device.type == "cuda"
         mine = [b for b in plan.buckets if b.reader == rank]
         self.local_world = plan.layout.local_world or self.world
-        self.shm = _shm_usable(self.world, self.device)
-        self._slots: _SharedSlots | None = None
+        self.shm = shm_usable(self.world, self.device)
+        self._slots: SharedSlots | None = None
         self._attached: dict[tuple[int, int], torch.Tensor] = {}   # other readers' slots this rank has mapped
         read_buffers = None
         if any(d != rank and b.recv_bytes[d] and self._via_shm(b, d) for b in mine for d in range(self.world)):
             try:
-                self._slots = _SharedSlots(self.depth + 2, biggest_read)
+                self._slots = SharedSlots(self.depth + 2, biggest_read)
                 read_buffers = self._slots.slots
             except OSError as exc:  # no shared memory to be had: this rank stands in (see run), the job fails
                 self.error = DistloadError(f"cannot make {self.depth + 2} x {biggest_read >> 20} MiB of shared staging "
@@ -480,16 +92,16 @@ class Transfer:
         # Read buffers: one per in-flight bucket plus one being filled by the read-ahead. Buckets never
         # exceed the staging size unless a single row does; size to the largest bucket. Pages of a buffer
         # that direct paths never touch cost no memory.
-        self.read_pool = _BufferPool(self.depth + 2 if mine else 0, biggest_read, torch.device("cpu"), pin=on_cuda,
+        self.read_pool = BufferPool(self.depth + 2 if mine else 0, biggest_read, torch.device("cpu"), pin=on_cuda,
                                      buffers=read_buffers)
-        self.recv_pool = _BufferPool(self.depth + 1, biggest_recv, self.device) if self.world > 1 else None
-        self.send_pool = _BufferPool(self.depth + 1, biggest_send, self.device) if mine and self.world > 1 else None
+        self.recv_pool = BufferPool(self.depth + 1, biggest_recv, self.device) if self.world > 1 else None
+        self.send_pool = BufferPool(self.depth + 1, biggest_send, self.device) if mine and self.world > 1 else None
         self._wires: dict[tuple[int, int], Wire] = {}
         # Decided before the read-ahead starts, so that its thread and this one only read these.
         self._direct_reads = {(b.index, c): self._direct_candidates(b, c) for b in mine for c in b.chunks}
         # The read-ahead thread overlaps reading with the wire. Alone (world 1) there is nothing to overlap,
         # and every hand-off between threads costs a wake-up (milliseconds on a busy machine): read inline.
-        self.read_ahead = _ReadAhead(mine, self._fill, self.read_pool) if mine and self.world > 1 else None
+        self.read_ahead = ReadAhead(mine, self._fill, self.read_pool) if mine and self.world > 1 else None
 
     # -- where bytes go ------------------------------------------------------------------------------
 
@@ -679,7 +291,7 @@ class Transfer:
                     dev[:bucket.read_bytes].copy_(wire, non_blocking=True)
                     wire = dev[:bucket.read_bytes]
                     release.append(lambda: self.recv_pool.put(dev))
-                _require_contiguous(wire, "broadcast buffer")
+                require_contiguous(wire, "broadcast buffer")
                 works.append(dist.broadcast(wire, src=me, async_op=True))
                 self.stats.bytes_sent += bucket.read_bytes * (self.world - 1)
             elif self.world > 1 and any(n for d, n in enumerate(bucket.recv_bytes) if d != me):
@@ -705,7 +317,7 @@ class Transfer:
                         send = self.send_pool.get()
                         release.append(lambda: self.send_pool.put(send))
                     for message in self._send_messages(staged, send[at:at + n], bucket, dst):
-                        _require_contiguous(message, "send buffer")
+                        require_contiguous(message, "send buffer")
                         works.append(dist.isend(message, dst=dst, tag=bucket.index))
                     self.stats.bytes_sent += n
                     at += n
@@ -731,7 +343,7 @@ class Transfer:
         self.stats.bytes_received += n
         if bucket.broadcast:
             wire = buf[:n]
-            _require_contiguous(wire, "receive buffer")
+            require_contiguous(wire, "receive buffer")
             works = [dist.broadcast(wire, src=bucket.reader, async_op=True)]
 
             def finish_broadcast():
@@ -752,7 +364,7 @@ class Transfer:
                 scratch.append((item, region))
             else:
                 landed.append(item)
-            _require_contiguous(region, "receive buffer")
+            require_contiguous(region, "receive buffer")
             works.append(dist.irecv(region, src=bucket.reader, tag=bucket.index))
 
         def finish():
@@ -776,7 +388,7 @@ class Transfer:
 
         def finish():
             try:
-                slot = _attach_slot(token, self._attached)
+                slot = attach_slot(token, self._attached)
                 for item in self.plan.items(bucket, self.rank):
                     src = self.plan.sources[item.chunk.source]
                     self._write(item.param, item.piece, self._item_block(slot, bucket, item), src.dtype)

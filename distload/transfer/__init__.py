@@ -1,0 +1,24 @@
+"""The only package that moves bytes between ranks (DESIGN §3, §2 step 5).
+
+Readers read byte ranges of the checkpoint into reusable staging buffers (a read-ahead thread keeps
+the next bucket coming while this one is on the wire); each bucket goes out as one collective —
+`broadcast` when every rank keeps the whole tensor, point-to-point sends otherwise, so a rank receives
+only the bytes it keeps — and receivers copy the pieces into their preallocated params. With gloo on CPU,
+ranks on a reader's node take their pieces straight out of its shared-memory read buffers instead (only a
+token and a reply per bucket travel): sharded bytes never cross a socket within a node.
+
+Everything on the wire is raw bytes in contiguous uint8 buffers: gloo cannot send float8 and silently
+corrupts non-contiguous tensors (it sends the storage's first bytes), while `view(torch.uint8)` of a
+contiguous buffer is bit-exact. Backend differences (NCCL needs device buffers, gloo host ones) live
+here and nowhere else.
+"""
+
+from .agreement import LostPeer, agree, agree_on_plan, report_together
+from .buffers import TransferStats, as_bytes2d, typed2d
+from .collectives import (all_gather_cat, all_gather_objects, all_reduce_sum, barrier, broadcast_object,
+                          computed_on_rank0)
+from .engine import Transfer, wire_layout, zero_padding
+
+__all__ = ["LostPeer", "Transfer", "TransferStats", "agree", "agree_on_plan", "all_gather_cat", "all_gather_objects",
+           "all_reduce_sum", "as_bytes2d", "barrier", "broadcast_object", "computed_on_rank0", "report_together",
+           "typed2d", "wire_layout", "zero_padding"]

@@ -1,0 +1,171 @@
+"""Agreement steps (every phase ends in one) and the diagnosis of a lost peer.
+
+If any rank failed a phase, every rank raises, naming it: nobody is left waiting in a later collective
+for a peer that already raised. When the process group itself broke, the job's store still tells who
+failed and why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+
+import torch.distributed as dist
+
+from .. import faults
+from ..errors import RankFailure
+from .collectives import active, all_gather_objects, count_over_ranks, gather_int64
+
+
+def _failure_records(mine: str | None) -> list:
+    """Every rank's failure message (None: fine). One small all-reduce when all are fine, as they nearly
+    always are; the messages themselves are gathered only when some rank failed."""
+    if not active():
+        return [mine]
+    if count_over_ranks(0 if mine is None else 1) == 0:
+        return [None] * dist.get_world_size()
+    return all_gather_objects(mine)
+
+
+def agree(phase: str, error: BaseException | None) -> None:
+    """The agreement step that ends every phase: if any rank failed, every rank raises, naming it.
+
+    Each rank contributes (ok, message); nobody is left waiting in a later collective for a peer that
+    already raised.
+    """
+    step = next(_agreement_steps)
+    if error is None:
+        try:
+            faults.hit(phase)  # test hook (DISTLOAD_FAULT), a no-op otherwise
+        except Exception as exc:
+            error = exc
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if isinstance(error, LostPeer):
+        raise _postmortem(phase, step, error) from error  # the group is broken: no collective can agree now
+    if mine is not None:
+        _tell_store(step, mine)  # so that peers learn why even if the collective below breaks
+    try:
+        records = _failure_records(mine)
+    except Exception as exc:  # a peer died or hung past the timeout during this very step
+        raise _postmortem(phase, step, LostPeer(f"agreeing on {phase}", exc)) from exc
+    failures = {r: m for r, m in enumerate(records) if m is not None}
+    if not failures:
+        return
+    if error is not None:
+        # This rank failed itself: its own exception (type, traceback) is the most useful thing to raise.
+        raise error
+    by_message: dict[str, list[int]] = {}
+    for r, m in sorted(failures.items()):
+        by_message.setdefault(m, []).append(r)
+    text = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items())
+    raise RankFailure(f"{phase} failed on {len(failures)} rank(s): {text}", failures)
+
+
+# ----------------------------------------------------------------------------------------------------
+# When a peer is gone: the process group cannot tell who or why, the rendezvous store still can.
+#
+# A killed rank (OOM killer, lost node) leaves its peers with "Connection closed by peer" from gloo (NCCL:
+# a timeout), and a hung one with a timeout, neither naming a rank. Every rank that fails posts its
+# reason to the job's store (torchrun's agent holds it; without torchrun, rank 0); a rank whose collective
+# broke then waits a moment for its peers' reasons and names the ranks that stayed silent.
+
+POSTMORTEM_WAIT_S = 3.0  # how long a broken rank waits for its peers' reasons: they break at about the same time
+_agreement_steps = itertools.count()  # the n-th agreement of this process; equal on all ranks while in step
+
+
+class LostPeer(RuntimeError):
+    """A collective of this rank failed (a peer was killed, crashed, or stayed silent past the timeout)."""
+
+    def __init__(self, doing: str, cause: BaseException):
+        self.doing = doing
+        super().__init__(f"lost a peer while {doing}: {_first_line(cause)}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    # gloo: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port. This is typically ..."
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". This is typically")[0]
+    return line[:300]
+
+
+def _store_key(step: int, rank: int) -> str:
+    return f"distload/agreement-{step}/rank-{rank}"
+
+
+def _tell_store(step: int, message: str) -> None:
+    try:
+        dist.distributed_c10d._get_default_store().set(_store_key(step, dist.get_rank()), message[:4000])
+    except Exception:  # the store is gone too; the postmortem will say so
+        pass
+
+
+def _postmortem(phase: str, step: int, error: LostPeer) -> RankFailure:
+    """Name who failed and why from the store, after this rank's process group broke."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    heard: dict[int, str] = {}
+    store_error = None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(_store_key(step, me), f"LostPeer: {error}")
+        deadline = time.monotonic() + POSTMORTEM_WAIT_S
+        while len(heard) < world - 1 and time.monotonic() < deadline:
+            for r in range(world):
+                if r != me and r not in heard and store.check([_store_key(step, r)]):
+                    heard[r] = store.get(_store_key(step, r)).decode(errors="replace")
+            time.sleep(0.05)
+    except Exception as exc:
+        store_error = exc
+    causes = {r: m for r, m in heard.items() if not m.startswith("LostPeer:")}
+    silent = [r for r in range(world) if r != me and r not in heard]
+    parts = [f"{phase} failed: rank {me} {error}"]
+    parts += [f"rank {r} failed: {m}" for r, m in sorted(causes.items())]
+    if silent:
+        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+        parts.append(f"no word from {who} within {POSTMORTEM_WAIT_S:.0f} s (killed, crashed or hung: see "
+                     f"{'their' if len(silent) > 1 else 'its'} log or the launcher's report; a rank still waiting on the "
+                     "lost one cannot answer either)")
+    if store_error is not None:
+        parts.append(f"the job's store is unreachable too ({_first_line(store_error)}): whoever held it is gone "
+                     "(rank 0 without torchrun, else torchrun's agent)")
+    failures = {**{r: "no word (vanished)" for r in silent}, **causes, me: str(error)}
+    return RankFailure("; ".join(parts), failures)
+
+
+def report_together(seconds: float = 3.0) -> None:
+    """Before a failed rank exits: wait (briefly) until every rank has reported its error.
+
+    Under torchrun the first rank to exit gets the others SIGTERMed within 0.1 s, maybe before they
+    printed why; ranks that fail together leave together instead. A vanished peer costs `seconds`.
+    """
+    if not active():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("distload/reported", 1)
+        deadline = time.monotonic() + seconds
+        while store.add("distload/reported", 0) < dist.get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # the store went with its host: nobody left to wait for
+        pass
+
+
+def agree_on_plan(plan) -> None:
+    """Every rank must hold the same plan: no control message ever travels, so ranks that planned
+    differently (different distload versions or rules files on different nodes) would wait forever for
+    bytes nobody sends. A digest of the wire schedule, compared once, turns that hang into an error."""
+    import hashlib
+
+    digest = hashlib.sha256(repr((plan.buckets, [len(s) for s in plan.specs])).encode()).hexdigest()[:15]
+    if not active():
+        return
+    # One all-gather of 60 bits of the digest, not two of pickled objects.
+    digests = [f"{d:015x}" for d in gather_int64(int(digest, 16))]
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        raise RankFailure("ranks computed different load plans (" + "; ".join(f"ranks {rs}: plan {d}" for d, rs in
+                          groups.items()) + "): check that every node runs the same distload version, rules file "
+                          "(--config) and options")

@@ -1,0 +1,136 @@
+"""Staging buffers: reused host/device pools, a reader's shared-memory slots, the read-ahead thread,
+and the byte views every copy goes through."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import host_memory
+from ..plan import Bucket
+from ..shard import view2d
+from .collectives import require_contiguous
+
+
+@dataclass
+class TransferStats:
+    bytes_read: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    buckets: int = 0
+    written: dict[str, list[tuple[int, int, int, int]]] = field(default_factory=dict)  # param -> rectangles
+
+
+def typed2d(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's 2-D view, the same one the plan uses (shard.view2d: 1-D [n] is [n, 1])."""
+    require_contiguous(t, "param")
+    return t.view(view2d(tuple(t.shape)))
+
+
+def as_bytes2d(t: torch.Tensor) -> torch.Tensor:
+    """The same view in bytes: [rows, cols * itemsize] (bit-exact for every dtype, float8 included)."""
+    rows, cols = view2d(tuple(t.shape))
+    return t.reshape(-1).view(torch.uint8).view(rows, cols * t.element_size())
+
+
+class BufferPool:
+    """Fixed, reused staging buffers: first-touch page faults cost 3-7x a warm copy, so allocate once."""
+
+    def __init__(self, count: int, nbytes: int, device: torch.device, pin: bool = False, buffers=None):
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        if buffers is None:
+            buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=True) if pin
+                       else host_memory.empty((max(nbytes, 1),), torch.uint8, device) for _ in range(count)]
+        for buf in buffers:
+            self.free.put(buf)
+
+    def get(self) -> torch.Tensor:
+        return self.free.get()
+
+    def put(self, buf: torch.Tensor) -> None:
+        self.free.put(buf)
+
+
+# Shared memory between the ranks of one node (gloo on CPU): a reader's staging buffers are one memfd, and
+# a rank on its node maps it (through /proc/<reader pid>/fd/<fd>) and copies its pieces straight out of it.
+# Over gloo every byte would otherwise be copied into a socket, out of it, and (unless it lands directly)
+# out of a receive buffer, on the same CPUs that do the loading. Only two tiny messages per bucket and rank
+# travel on the wire: the reader's "bucket b is in slot k" token, and the receiver's "done with it" reply,
+# which lets the reader reuse the slot (and brings the timeouts and lost-peer handling of the wire). A memfd
+# has no name to leak: its memory goes when the last process using it exits, however it exits.
+SHM_TOKEN_BYTES = 32    # reader pid, fd, slot index, slot size (int64 each)
+SHM_DONE_BYTES = 8
+
+
+def shm_usable(world: int, device: torch.device) -> bool:
+    """Same answer on every rank of a node: same machine, same environment, same backend."""
+    return (world > 1 and device.type == "cpu" and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+            and os.environ.get("DISTLOAD_SHM", "1") != "0" and dist.is_initialized() and dist.get_backend() == "gloo")
+
+
+class SharedSlots:
+    """A reader's staging buffers, `count` slots of `nbytes`, in one memfd (pages come on first touch)."""
+
+    def __init__(self, count: int, nbytes: int):
+        self.slot_bytes = max(nbytes, 1)
+        self.fd = os.memfd_create("distload-staging", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, count * self.slot_bytes)
+            self.tensor = torch.frombuffer(mmap.mmap(self.fd, count * self.slot_bytes), dtype=torch.uint8)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.slots = [self.tensor[i * self.slot_bytes:(i + 1) * self.slot_bytes] for i in range(count)]
+
+    def token(self, buf: torch.Tensor) -> torch.Tensor:
+        slot = (buf.data_ptr() - self.tensor.data_ptr()) // self.slot_bytes
+        return torch.tensor([os.getpid(), self.fd, slot, self.slot_bytes], dtype=torch.int64).view(torch.uint8)
+
+    def close(self) -> None:
+        """Close the descriptor (the receivers mapped the memory long before: it lives while mapped)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def attach_slot(token: torch.Tensor, attached: dict) -> torch.Tensor:
+    """The slot a token names, mapped into this process (each reader's memory once)."""
+    pid, fd, slot, slot_bytes = (int(x) for x in token.view(torch.int64))
+    if (pid, fd) not in attached:
+        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        try:
+            attached[(pid, fd)] = torch.frombuffer(mmap.mmap(handle, os.fstat(handle).st_size), dtype=torch.uint8)
+        finally:
+            os.close(handle)
+    return attached[(pid, fd)][slot * slot_bytes:(slot + 1) * slot_bytes]
+
+
+class ReadAhead(threading.Thread):
+    """Reads this reader's buckets, in order, into pooled host buffers ahead of the wire.
+
+    `fill(bucket, buf)` does the reading (some byte ranges go straight into this rank's own params).
+    """
+
+    def __init__(self, buckets: list[Bucket], fill, pool: BufferPool):
+        super().__init__(daemon=True, name="distload-read-ahead")
+        self.buckets, self.fill, self.pool = buckets, fill, pool
+        self.ready: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+
+    def run(self):
+        for bucket in self.buckets:
+            buf = self.pool.get()
+            if self.stop.is_set():
+                return
+            error, direct = None, []
+            try:
+                direct = self.fill(bucket, buf)
+            except BaseException as exc:  # reported at the phase's agreement step; the protocol goes on
+                error = exc
+            self.ready.put((bucket.index, buf, error, direct))

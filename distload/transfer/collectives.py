@@ -1,0 +1,121 @@
+"""Small collectives: metadata objects, agreement flags, the reference forward's reductions.
+
+Backend differences live here: NCCL moves only device tensors, gloo only host ones; gloo corrupts
+non-contiguous tensors, so every buffer is checked.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+
+
+def active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def require_contiguous(t: torch.Tensor, what: str) -> None:
+    # gloo sends a non-contiguous tensor's *storage* bytes from its first element: silent corruption.
+    if not t.is_contiguous():
+        raise RuntimeError(f"{what}: wire buffers must be contiguous (gloo would corrupt a strided tensor)")
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum `t` over the group, in place."""
+    require_contiguous(t, "all_reduce_sum")
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def all_gather_cat(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim`, in rank order (equal shapes on all ranks)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def object_device() -> torch.device:
+    # NCCL moves only device tensors; gloo only host ones.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_object(obj, src: int = 0):
+    """Send a picklable object from `src` to every rank (metadata: headers, config, errors)."""
+    if not active():
+        return obj
+    dev = object_device()
+    if dist.get_rank() == src:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(dev)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.broadcast(size, src)
+    if dist.get_rank() != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(payload, src)
+    return obj if dist.get_rank() == src else pickle.loads(payload.cpu().numpy().tobytes())
+
+
+def computed_on_rank0(fn):
+    """Run fn on rank 0 only (metadata: headers, manifests) and hand every rank its result; if it
+    raised, every rank raises the same exception."""
+    payload = None
+    if not active() or dist.get_rank() == 0:
+        try:
+            payload = ("ok", fn())
+        except Exception as exc:
+            payload = ("error", exc)
+    kind, value = broadcast_object(payload, src=0)
+    if kind == "error":
+        raise value
+    return value
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (small records only: all_gather is slow on gloo)."""
+    if not active():
+        return [obj]
+    dev = object_device()
+    data = pickle.dumps(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev))
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in sizes]
+    dist.all_gather(out, mine)
+    return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
+
+
+
+def count_over_ranks(flag: int) -> int:
+    """The sum of one small integer over every rank (e.g. how many ranks failed): one all-reduce."""
+    if not active():
+        return flag
+    t = torch.tensor([flag], dtype=torch.int64, device=object_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t.item())
+
+
+def gather_int64(value: int) -> list[int]:
+    """Every rank's int64 `value`, in rank order: one all-gather of a fixed-size tensor."""
+    if not active():
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=object_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t.item()) for t in every]
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
