@@ -5,7 +5,7 @@ from __future__ import annotations
 from .checkpoint import discover
 from .plan import DEFAULT_STAGING_BYTES, LoadPlan, build_plan
 from .rules import rules_for
-from .topology import Layout, reader_ranks
+from .topology import Layout, owner_reads, reader_ranks
 
 
 def inspect_plan(path: str, tp: int | None = None, ep: int = 1, world: int | None = None, readers="per-node",
@@ -16,7 +16,8 @@ def inspect_plan(path: str, tp: int | None = None, ep: int = 1, world: int | Non
     index = discover(path)
     layout = Layout(world=world, tp=tp or world, ep=ep, readers=reader_ranks(world, local_world or world, readers),
                     local_world=local_world or world, expert_placement=expert_placement,
-                    owner_reads=readers == "owners", expert_map=tuple(tuple(x) for x in expert_map) if expert_map is not None else None)
+                    owner_reads=owner_reads(world, readers),
+                    expert_map=tuple(tuple(x) for x in expert_map) if expert_map is not None else None)
     rules = rules_for(index.config, config)
     return build_plan(index.tensors, index.config, rules, layout, strict=strict,
                       staging_bytes=(staging_mib << 20) if staging_mib else DEFAULT_STAGING_BYTES,

@@ -2,7 +2,7 @@
 
 `Layout` is the pure part the plan needs (and `inspect` builds without processes); `Topology` adds this
 process's identity, read once from torchrun's environment here and passed down, never re-read deep
-inside helpers. `init_process_group` is the one place (with transfer.py) that touches torch.distributed.
+inside helpers. `init_process_group` is the one place (with transfer/) that touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ def reader_ranks(world: int, local_world: int, readers: str | int) -> tuple[int,
     return tuple(sorted(order[:n]))
 
 
+def owner_reads(world: int, readers: str | int) -> bool:
+    """Do ranks copy their own pieces from the files (owner_reads.py)? Asked for with 'owners'; and always
+    alone (world 1), where the one reader is the one owner and it is the same contract, one copy fewer."""
+    return readers == "owners" or world == 1
+
+
 @dataclass(frozen=True)
 class Topology:
     """This process in the job."""
@@ -126,7 +132,8 @@ def from_environment(tp: int | None = None, ep: int = 1, readers: str | int = "p
     if backend is None:
         backend = "nccl" if device.startswith("cuda") else "gloo"
     layout = Layout(world=world, tp=tp or world, ep=ep, readers=reader_ranks(world, local_world, readers),
-                    local_world=local_world, expert_placement=expert_placement, owner_reads=readers == "owners",
+                    local_world=local_world, expert_placement=expert_placement,
+                    owner_reads=owner_reads(world, readers),
                     expert_map=tuple(tuple(ids) for ids in expert_map) if expert_map is not None else None)
     return Topology(rank=rank, local_rank=local_rank, node=node, layout=layout, device=device, backend=backend,
                     timeout_s=timeout_s)
