@@ -41,6 +41,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -500,7 +501,12 @@ def worker(args) -> int:
                 pass
             dist.barrier()
     for rep in range(args.reps):
-        order = loaders[rep % len(loaders):] + loaders[:rep % len(loaders)]  # rotate: no loader always goes first
+        # A new order every repetition (seeded: the same on every rank): no loader always goes first or always
+        # follows the same one. With a fixed rotation, distload's 1-rank cold run always followed DCP's warm run
+        # and took 0.6-1.8 s where the same code path took 0.58 s after another loader: what ran before
+        # changes a run's cost on this VM (memory state), so it must not be the same loader every time.
+        order = list(loaders)
+        random.Random(rep).shuffle(order)
         for loader in order:
             for cache in args.caches.split(","):
                 if local_rank == 0:  # one process per node prepares that node's page cache
