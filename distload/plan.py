@@ -447,7 +447,7 @@ def _reader_runs(sources: list[Source], readers: tuple[int, ...]) -> dict[int, l
     return runs
 
 
-def _buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: int) -> list[tuple]:
+def buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: int) -> list[tuple]:
     """Chunk and bucket one reader's sources; returns (broadcast, chunks, read_bytes, recv_bytes) tuples."""
     out = []
     cur, cur_read, cur_send, cur_bcast, cur_recv = [], 0, 0, None, [0] * world
@@ -569,7 +569,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
         broadcast = len(ds) == layout.world and full == set(range(layout.world))
         sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ds, broadcast))
     runs = _reader_runs(sources, layout.readers)
-    per_reader = {r: _buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers}
+    per_reader = {r: buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers}
     # Interleave readers' buckets so that every reader has work in flight at the same time.
     buckets = []
     for group in itertools.zip_longest(*(per_reader[r] for r in layout.readers)):

@@ -29,7 +29,7 @@ from dataclasses import replace
 from .checkpoint.header import TensorEntry
 from .dtypes import itemsize
 from .errors import CheckpointError, PlanError
-from .plan import Bucket, Delivery, LoadPlan, ParamSpec, Piece, Source, _buckets_for, build_plan
+from .plan import Bucket, Delivery, LoadPlan, ParamSpec, Piece, Source, buckets_for, build_plan
 from .shard import view2d
 from .topology import Layout
 
@@ -82,7 +82,7 @@ def _bucketed(sources: list[Source], reader_of: dict[str, int], world: int, stag
     per_reader = {}
     for r in readers:
         mine = sorted((s for s in sources if reader_of[s.name] == r), key=lambda s: (s.file, s.offset))
-        per_reader[r] = _buckets_for(r, mine, world, staging_bytes)
+        per_reader[r] = buckets_for(r, mine, world, staging_bytes)
     buckets = []
     for group in itertools.zip_longest(*(per_reader[r] for r in readers)):
         for reader, b in zip(readers, group):
