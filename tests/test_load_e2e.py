@@ -230,3 +230,21 @@ def test_owner_reads_refused_across_nodes():
         reader_ranks(4, 2, "owners")
     with pytest.raises(DistloadError, match="'some'.*per-node.*owners"):
         reader_ranks(4, 4, "some")
+
+
+def _owners_match_default_on_experts(path: str) -> list[str]:
+    import distload
+
+    owners = distload.load(path, tp=4, ep=2, readers="owners", progress=False)
+    default = distload.load(path, tp=4, ep=2, progress=False)
+    return differences(owners.params, default.params, f"mixtral tp4 ep2 owners rank{owners.rank}")
+
+
+def test_owner_reads_expert_parallel_matches_the_default_path(tmp_path):
+    """Experts (per-expert tensors stacked into w13/w2 on their hosts) through owner reads: the same bytes
+    as the bucketed path (tests/test_moe.py checks that one against the oracle)."""
+    from hf_models import save_checkpoint
+
+    path = str(save_checkpoint("mixtral", tmp_path / "mixtral"))
+    problems = [p for r in run_ranks(4, _owners_match_default_on_experts, path) for p in r]
+    assert not problems, "\n".join(problems)
