@@ -4,6 +4,7 @@
     python scripts/bench.py --quick              # a few MB, world 2, one repetition (the smoke test)
     python scripts/bench.py --checkpoint DIR     # benchmark an existing Llama-family checkpoint
     python scripts/bench.py --publish            # also rewrite BENCHMARKS.md and benchmarks/ with the results
+    python scripts/bench.py --device cuda        # 1 rank, params on the GPU (NCCL), with storage and H2D GB/s
 
 Every scenario (world size, one node or two emulated nodes) is one `torchrun` job whose ranks run every
 loader, cold and warm, alternating, `--reps` times; the median is reported. Loaders, each filling the same
@@ -222,6 +223,33 @@ def evict(ckpt: Path, files: list[str]) -> None:
         evict_from_page_cache(ckpt / f)
 
 
+def bandwidth_probes(ckpt: Path, files: list[str], device: str) -> dict:
+    """What the hardware gives, to set the loaders' GB/s against: the checkpoint read cold by one process in
+    16 MiB `readinto`s (storage), and, on CUDA, a 256 MiB pinned host buffer copied to the device (H2D)."""
+    import torch
+
+    evict(ckpt, files)
+    buf, total = bytearray(16 << 20), 0
+    t0 = time.perf_counter()
+    for f in files:
+        with open(ckpt / f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                total += n
+    out = {"storage_read_gbps": total / (time.perf_counter() - t0) / 1e9, "device": device}
+    if device.startswith("cuda"):
+        host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty_like(host, device=device)
+        dev.copy_(host)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        out["h2d_pinned_gbps"] = 5 * host.numel() / (time.perf_counter() - t0) / 1e9
+        out["device_name"] = torch.cuda.get_device_name(device)
+    return out
+
+
 def warm_up(ckpt: Path, files: list[str]) -> None:
     buf = bytearray(16 << 20)
     for f in files:
@@ -235,12 +263,12 @@ def warm_up(ckpt: Path, files: list[str]) -> None:
 
 
 class Context:
-    def __init__(self, ckpt: Path, staging_mib: int | None, loaders: list[str]):
+    def __init__(self, ckpt: Path, staging_mib: int | None, loaders: list[str], device: str = "cpu"):
         import torch.distributed as dist
 
         import distload
 
-        self.ckpt, self.staging_mib = ckpt, staging_mib
+        self.ckpt, self.staging_mib, self.device = ckpt, staging_mib, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.files = weight_files(ckpt)
@@ -279,7 +307,7 @@ class Context:
         from distload.dtypes import torch_dtype
 
         specs = self.plan.specs[self.rank]
-        params = {name: host_memory.empty(s.local_shape, torch_dtype(s.dtype), huge=huge_pages)
+        params = {name: host_memory.empty(s.local_shape, torch_dtype(s.dtype), self.device, huge=huge_pages)
                   for name, s in specs.items() if not s.alias_of}
         params.update({name: params[s.alias_of] for name, s in specs.items() if s.alias_of})
         return params
@@ -322,7 +350,8 @@ class Context:
 def load_distload(ctx: Context, readers):
     import distload
 
-    result = distload.load(ctx.ckpt, tp=ctx.world, readers=readers, staging_mib=ctx.staging_mib, progress=False)
+    result = distload.load(ctx.ckpt, tp=ctx.world, readers=readers, staging_mib=ctx.staging_mib, progress=False,
+                           device=ctx.device)
     return result.params, result.report["per_rank"][ctx.rank]["bytes_received"]
 
 
@@ -350,7 +379,7 @@ def load_fastsafetensors(ctx: Context):
 
     params = ctx.allocate()
     received = 0
-    loader = SafeTensorsFileLoader(dist.group.WORLD, "cpu", nogds=True)
+    loader = SafeTensorsFileLoader(dist.group.WORLD, ctx.device, nogds=True)
     try:
         for at in range(0, len(ctx.files), ctx.world):
             batch = ctx.files[at:at + ctx.world]
@@ -386,6 +415,8 @@ def load_dcp(ctx: Context):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.tensor import DTensor, Shard
 
+    if ctx.device != "cpu":
+        raise NotImplementedError("dcp is compared on CPU only")
     params = ctx.allocate()
     state, cut_after = {}, []
     for name, places in ctx.mine.items():
@@ -458,7 +489,7 @@ def fingerprint(params) -> int:
 
     crc = 0
     for name in sorted(params):
-        t = params[name].contiguous()
+        t = params[name].detach().contiguous().cpu()
         crc = zlib.crc32(f"{name}{list(t.shape)}".encode(), crc)
         crc = zlib.crc32(memoryview(t.view(-1).view(torch.uint8).numpy()), crc)
     return crc
@@ -474,12 +505,25 @@ def worker(args) -> int:
 
     logging_quiet()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=20))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_cuda = args.device == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(minutes=20))
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     ckpt = Path(args.checkpoint)
     loaders = args.loaders.split(",")
-    ctx = Context(ckpt, args.staging_mib, loaders)
+    ctx = Context(ckpt, args.staging_mib, loaders, f"cuda:{local_rank}" if on_cuda else "cpu")
+
+    def finished() -> float:  # device copies are asynchronous: a load ends when they are done
+        if on_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    if rank == 0:
+        nodes = world // ctx.local_world
+        probes = {**bandwidth_probes(ckpt, ctx.files, ctx.device), "world": world, "nodes": nodes}
+        Path(args.jsonl).with_name(f"probes-w{world}-n{nodes}.json").write_text(json.dumps(probes))
     device = block_device_of(ckpt / ctx.files[0])
     out = open(args.jsonl, "a") if rank == 0 else None
     shard_bytes = sum(s.nbytes for s in ctx.plan.specs[rank].values() if not s.alias_of)
@@ -525,7 +569,7 @@ def worker(args) -> int:
                     raise
                 except BaseException as exc:  # a loader that cannot run here is reported, not fatal
                     params, received, error = {}, 0, f"{type(exc).__name__}: {exc}"
-                seconds = time.perf_counter() - t0
+                seconds = finished() - t0
                 cpu = cpu_seconds() - cpu0
                 io = proc_read_bytes() - io0
                 dist.barrier()
@@ -586,6 +630,8 @@ def worker_args(ckpt: str, jsonl: Path, args, loaders: list[str]) -> list[str]:
         out += ["--staging-mib", str(args.staging_mib)]
     if args.quick:
         out += ["--warmup", "0"]
+    if args.device != "cpu":
+        out += ["--device", args.device]
     return out
 
 
@@ -776,6 +822,14 @@ def markdown(summary: list[dict], check_rows, problems: list[str], meta: dict) -
                      f"{_gb(s['disk_read_bytes'])} | {_gb(s['io_read_bytes'])} | {s['received_per_rank'] / 1e6:.0f} | "
                      f"{s['peak_rss_per_rank'] / 2**20:.0f} | {s['shard_per_rank'] / 2**20:.0f} | "
                      f"{s['cpu_seconds']:.2f} |")
+    for probe in meta.get("probes", {}).values():
+        h2d = f", H2D (pinned, 256 MiB) {probe['h2d_pinned_gbps']:.1f} GB/s on {probe['device_name']}" \
+            if "h2d_pinned_gbps" in probe else ""
+        reached = [f"{s['loader']} {s['cache']} {s['checkpoint_bytes'] / s['seconds'] / 1e9:.2f}" for s in summary
+                   if s["seconds"] and (s["world"], s["nodes"]) == (probe["world"], probe["nodes"])]
+        lines.append(f"\nBandwidth, {probe['nodes']} node(s) x {probe['world'] // probe['nodes']} rank(s) on "
+                     f"{probe['device']}: storage read cold by one process {probe['storage_read_gbps']:.2f} GB/s{h2d}; "
+                     f"checkpoint GB/s reached: {', '.join(reached)}.")
     lines += ["", "Must show (issue 5), evaluated on this run:", ""]
     for claim, holds, numbers in check_rows:
         lines.append(f"- {'holds' if holds else 'DOES NOT HOLD'}: {claim} — {numbers}")
@@ -857,12 +911,16 @@ def main(argv=None) -> int:
     w.add_argument("--caches", default="cold,warm")
     w.add_argument("--staging-mib", type=int, default=None)
     w.add_argument("--warmup", type=int, default=1)
+    w.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--checkpoint", default=None, help="benchmark this checkpoint (default: build one in --workdir)")
     p.add_argument("--size-gib", type=float, default=1.0, help="size of the built checkpoint")
     p.add_argument("--files", type=int, default=4, help="safetensors files in the built checkpoint")
     p.add_argument("--workdir", default="/tmp/distload-bench", help="where checkpoints and node copies live")
     p.add_argument("--out", default=None, help="output directory (default: WORKDIR/results)")
-    p.add_argument("--ranks", default=None, help="world sizes on one node (default 1,2,4; --quick: 2)")
+    p.add_argument("--ranks", default=None, help="world sizes on one node (default 1,2,4; --quick: 2; cuda: 1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where params live: cpu (gloo) or cuda (NCCL, one GPU per rank; default loaders distload, "
+                        "every-rank-reads, fastsafetensors if installed; storage and H2D bandwidth measured too)")
     p.add_argument("--two-nodes", choices=("auto", "on", "off"), default=None,
                    help="emulate 2 nodes x 2 ranks (default auto; --quick: off)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per loader and cache (default 3; --quick: 1)")
@@ -882,9 +940,20 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else workdir / "results"
     out.mkdir(parents=True, exist_ok=True)
     args.reps = args.reps or (1 if args.quick else 3)
-    ranks_text = args.ranks if args.ranks is not None else ("2" if args.quick else "1,2,4")
+    on_cuda = args.device == "cuda"
+    ranks_text = args.ranks if args.ranks is not None else ("2" if args.quick else "1" if on_cuda else "1,2,4")
     ranks = [int(x) for x in ranks_text.split(",") if x]
-    two_nodes = args.two_nodes or ("off" if args.quick else "auto")
+    two_nodes = args.two_nodes or ("off" if args.quick or on_cuda else "auto")
+    if on_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
+    if on_cuda and not args.loaders:  # fastsafetensors only where it is installed (GPU images may lack it)
+        import importlib.util
+
+        args.loaders = "distload,every-rank-reads" + (",fastsafetensors" if importlib.util.find_spec("fastsafetensors")
+                                                      else "")
     if args.checkpoint:
         ckpt = Path(args.checkpoint).resolve()
     else:
@@ -897,6 +966,8 @@ def main(argv=None) -> int:
     cfg = json.loads((ckpt / "config.json").read_text())
     jsonl = out / "runs.jsonl"
     jsonl.unlink(missing_ok=True)
+    for stale in out.glob("probes-*.json"):
+        stale.unlink()
     log_path = out / "bench.log"
     notes = []
     with open(log_path, "w") as log:
@@ -941,7 +1012,8 @@ def main(argv=None) -> int:
                             f"(hidden {cfg.get('hidden_size')}, {cfg.get('num_hidden_layers')} layers, "
                             f"{cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} heads, "
                             f"vocab {cfg.get('vocab_size')})"),
-        "reps": args.reps, "staging_bytes": staging, "notes": notes,
+        "reps": args.reps, "staging_bytes": staging, "notes": notes, "device": args.device,
+        "probes": {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("probes-*.json"))},
         "bench_seconds": round(time.perf_counter() - t_start, 1),
     }
     (out / "results.json").write_text(json.dumps(

@@ -49,6 +49,10 @@ def test_outputs_exist_and_are_well_formed(quick_bench):
         assert f"| {r['loader']} |" in md
     assert results["meta"]["command"].startswith("python scripts/bench.py --quick")
     assert "CPU cores" in results["meta"]["machine"]
+    # the hardware's own bandwidth, to set the loaders' against (storage on every device; H2D on CUDA)
+    (probe,) = results["meta"]["probes"].values()
+    assert probe["storage_read_gbps"] > 0 and (probe["world"], probe["nodes"], probe["device"]) == (2, 1, "cpu")
+    assert "Bandwidth, 1 node(s) x 2 rank(s) on cpu: storage read cold by one process" in md
     assert {c["claim"] for c in results["checks"]}  # the 'must show' list is evaluated (whatever the verdicts)
 
 

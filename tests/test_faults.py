@@ -390,6 +390,11 @@ def _fault_read_error(ckpt, ws):
     return [str(ckpt)], ["rank 0", "Input/output error", "model-0000"]
 
 
+def _fault_read_error_owners(ckpt, ws):
+    # --readers owners: every rank reads its own pieces, so a non-zero rank's read can fail too
+    return [str(ckpt), "--readers", "owners"], ["rank 1", "Input/output error", "model-0000"]
+
+
 def _fault_raise_nonreader(ckpt, ws):
     return [str(ckpt), "--save-sharded", str(_saved_copy(ws, "previous"))], ["rank 1", "RuntimeError: injected fault"]
 
@@ -437,6 +442,7 @@ CASES = [
     # checked while reading (handoff.py), so this one does reach the transfer
     Case("sharded-save-tampered", _sharded_tampered, base="", fault="", after="checksums-ok", same_text=False),
     Case("fault-read-error", _fault_read_error, fault="read-error@rank0:read:3"),
+    Case("fault-read-error-owners", _fault_read_error_owners, fault="read-error@rank1:read:2"),
     Case("fault-raise-nonreader", _fault_raise_nonreader, fault="raise@rank1:transfer:3", after="checksums-ok"),
     Case("fault-kill", _over_previous_save, fault="kill@rank1:transfer:3", after="checksums-ok"),
     Case("fault-kill-while-saving", _over_previous_save, fault="kill@rank1:save-sharded (write)",
@@ -641,9 +647,12 @@ def test_save_untouched_by_a_failed_job(outcomes):
         assert o.before and o.after == o.before, f"{case_id}: {o.before} -> {o.after}"
 
 
-def test_fault_read_error(outcomes):
-    o = outcomes["fault-read-error"]
-    _common(o, BY_ID["fault-read-error"])
+@pytest.mark.parametrize("case_id", ["fault-read-error", "fault-read-error-owners"])
+def test_fault_read_error(outcomes, case_id):
+    """A reader's I/O error (rank 0, the one reader; or rank 1 reading its own pieces with --readers owners)
+    ends both ranks, each naming the failing rank, the cause and the file."""
+    o = outcomes[case_id]
+    _common(o, BY_ID[case_id])
     assert o.rc != 0
     lines = _error_lines(o.output)
     assert sorted(lines) == [0, 1], _describe(o)
