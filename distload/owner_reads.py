@@ -54,7 +54,7 @@ class OwnerReads:
             region = as_bytes2d(dst)[piece.dst_row:piece.dst_row + rows, piece.dst_col * isz:(piece.dst_col + cols) * isz]
             if cols == view2d(src.shape)[1] and region.is_contiguous():  # whole rows: one byte range
                 self.reader.read_into(src.file, start, region.reshape(-1))
-                self._record(param, piece)
+                self.stats.record(param, piece)
                 return
 
         def copy_columns(raw: torch.Tensor) -> None:
@@ -67,12 +67,7 @@ class OwnerReads:
 
         _with_mapped(self.reader.fd_of(src.file), start, rows * src.row_bytes, copy_columns)
         self.reader.count_read(rows * cols * isz)
-        self._record(param, piece)
-
-    def _record(self, param: str, piece) -> None:
-        r0, c0 = piece.dst_row, piece.dst_col
-        rect = (r0, r0 + piece.rows[1] - piece.rows[0], c0, c0 + piece.cols[1] - piece.cols[0])
-        self.stats.written.setdefault(param, []).append(rect)
+        self.stats.record(param, piece)
 
 
 def _with_mapped(fd: int, start: int, nbytes: int, use) -> None:

@@ -26,6 +26,12 @@ class TransferStats:
     buckets: int = 0
     written: dict[str, list[tuple[int, int, int, int]]] = field(default_factory=dict)  # param -> rectangles
 
+    def record(self, param: str, piece) -> None:
+        """Note the rectangle of `param` a piece filled (what reconcile.py checks: written once, all of it)."""
+        r0, c0 = piece.dst_row, piece.dst_col
+        self.written.setdefault(param, []).append((r0, r0 + piece.rows[1] - piece.rows[0],
+                                                   c0, c0 + piece.cols[1] - piece.cols[0]))
+
 
 def typed2d(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's 2-D view, the same one the plan uses (shard.view2d: 1-D [n] is [n, 1])."""

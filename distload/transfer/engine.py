@@ -192,12 +192,7 @@ class Transfer:
         else:  # the caller's module has another dtype: convert while copying (one piece at a time)
             typed = block_bytes.contiguous().view(torch_dtype(src_dtype)).view(rows, cols)
             typed2d(dst)[r0:r0 + rows, c0:c0 + cols].copy_(typed)
-        self._record(param, piece)
-
-    def _record(self, param: str, piece) -> None:
-        r0, c0 = piece.dst_row, piece.dst_col
-        rect = (r0, r0 + piece.rows[1] - piece.rows[0], c0, c0 + piece.cols[1] - piece.cols[0])
-        self.stats.written.setdefault(param, []).append(rect)
+        self.stats.record(param, piece)
 
     def _unpack_wire_item(self, block: torch.Tensor, item: Item) -> None:
         """Copy one received (contiguous) item into its param."""
@@ -229,7 +224,7 @@ class Transfer:
                 if piece is None:
                     continue
                 if id(d) in direct:
-                    self._record(d.param, piece)
+                    self.stats.record(d.param, piece)
                 else:
                     self._write(d.param, piece, self._source_block(host, at, src, chunk.rows[0], piece), src.dtype)
             at += (chunk.rows[1] - chunk.rows[0]) * src.row_bytes
@@ -374,7 +369,7 @@ class Transfer:
                 for item, region in scratch:
                     self._unpack_wire_item(region, item)
                 for item in landed:
-                    self._record(item.param, item.piece)
+                    self.stats.record(item.param, item.piece)
             finally:
                 self.recv_pool.put(buf)
         return works, finish
