@@ -34,14 +34,20 @@ def describe_plan(plan: LoadPlan) -> str:
         lines.append(f"ignored by rule: {len(plan.ignored)} tensor(s)")
     if plan.quantization:
         lines.append(f"quantization: {plan.quantization}; 'keeps bytes' are the params after post-load steps")
+    owners = layout.owner_reads and not any(plan.post)
+    if owners and layout.world > 1:
+        lines.append("owner reads (--readers owners): each rank copies its own pieces from the files; nothing is sent")
     header = (f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "
               f"{'expert bytes':>15}  experts")
     lines.append(header)
     for r in range(layout.world):
         specs = plan.specs[r]
         keeps = sum(s.nbytes for s in specs.values() if not s.alias_of)
-        reads = sum(b.read_bytes for b in plan.buckets if b.reader == r)
-        receives = sum((b.read_bytes if b.broadcast else b.recv_bytes[r]) for b in plan.buckets if b.reader != r)
+        if owners:
+            reads, receives = plan.owned_bytes(r), 0
+        else:
+            reads = sum(b.read_bytes for b in plan.buckets if b.reader == r)
+            receives = sum((b.read_bytes if b.broadcast else b.recv_bytes[r]) for b in plan.buckets if b.reader != r)
         experts = sorted({e for s in specs.values() for e in s.experts})
         expert_bytes = sum(s.nbytes for s in specs.values() if s.style == "expert")
         lines.append(f"{r:>4} {len(specs):>7} {keeps:>15,} {reads:>15,} {receives:>15,} {expert_bytes:>15,}  "

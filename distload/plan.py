@@ -121,6 +121,11 @@ class LoadPlan:
     post: tuple[tuple, ...] = ()                 # per rank, quant_plan.Step s run after their inputs arrive
     quantization: str | None = None              # e.g. 'fp8-block 128x128 (config.json ...)'; None: none
 
+    def owned_bytes(self, rank: int) -> int:
+        """Checkpoint bytes of the pieces delivered to `rank` (what it reads itself with owner reads)."""
+        return sum(d.piece.numel * itemsize(src.dtype) for src in self.sources.values() for d in src.deliveries
+                   if d.rank == rank)
+
     def staging_specs(self, rank: int) -> dict[str, ParamSpec]:
         """What the transfer writes on `rank` (the final specs unless a post-load step rewrites params)."""
         return self.staging[rank] if self.staging else self.specs[rank]

@@ -172,13 +172,6 @@ def test_ranks_with_different_plans_fail_instead_of_hanging(dense_checkpoints):
     assert all("ranks computed different load plans" in m for m in messages), messages
 
 
-def _own_piece_bytes(plan, rank: int) -> int:
-    from distload.dtypes import itemsize
-
-    return sum(d.piece.numel * itemsize(src.dtype) for src in plan.sources.values() for d in src.deliveries
-               if d.rank == rank)
-
-
 def _load_with_owner_reads(checkpoints: dict) -> dict:
     import torch.distributed as dist
 
@@ -195,9 +188,9 @@ def _load_with_owner_reads(checkpoints: dict) -> dict:
             problems.append(f"owners {fam}: ok={report['ok']} readers={report['readers']}")
         # each rank read exactly its own pieces (replicated ones included), nothing else, and sent nothing
         mine = report["per_rank"][rank]
-        if mine["bytes_read"] != _own_piece_bytes(result.plan, rank) or mine["bytes_received"] or mine["bytes_sent"]:
+        if mine["bytes_read"] != result.plan.owned_bytes(rank) or mine["bytes_received"] or mine["bytes_sent"]:
             problems.append(f"owners {fam} rank{rank}: read {mine['bytes_read']} (own pieces "
-                            f"{_own_piece_bytes(result.plan, rank)}), received {mine['bytes_received']}, "
+                            f"{result.plan.owned_bytes(rank)}), received {mine['bytes_received']}, "
                             f"sent {mine['bytes_sent']}")
     # into a module of another dtype: pieces converted while copied, both the whole-row and the strided ones
     path = checkpoints["qwen2"]
@@ -219,6 +212,19 @@ def test_owner_reads_exact(dense_checkpoints, world):
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
     assert all(r["opened"] > 0 for r in results)  # every rank is a reader in this mode
+
+
+def test_inspect_shows_owner_reads(dense_checkpoints):
+    import distload
+    from distload.inspect_cmd import describe_plan
+
+    plan = distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4, readers="owners")
+    table = describe_plan(plan)
+    assert "owner reads (--readers owners)" in table and "readers [0, 1, 2, 3]" in table
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[3].replace(",", "")) for r in rows] == [plan.owned_bytes(r) for r in range(4)]  # reads
+    assert all(int(r[4].replace(",", "")) == 0 for r in rows)  # receives nothing
+    assert sum(plan.owned_bytes(r) for r in range(4)) >= plan.checkpoint_bytes
 
 
 def test_owner_reads_refused_across_nodes():
