@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import io
 import logging
+import math
 import os
 import pathlib
 import pickle
@@ -159,7 +160,8 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a row-major tensor of `size`, in elements."""
     strides, acc = [], 1
     for n in reversed(size):
         strides.append(acc)
@@ -169,7 +171,7 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
 
 def _raw_offset(fh, start: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...], where: str) -> int:
     """Absolute file offset of a chunk's raw row-major bytes inside its torch.save archive."""
-    nbytes = _numel(sizes) * dtype.itemsize
+    nbytes = math.prod(sizes) * dtype.itemsize
     fh.seek(start)
     if fh.read(4) != _ZIP_LOCAL_HEADER:
         raise CheckpointError(f"{where}: not a torch.save archive (DCP written with a serialization format other "
@@ -188,7 +190,7 @@ def _raw_offset(fh, start: int, length: int, dtype: torch.dtype, sizes: tuple[in
         raise CheckpointError(f"{where}: the archive does not hold one little-endian tensor")
     if rebuild.size != tuple(sizes):
         raise CheckpointError(f"{where}: archive tensor has size {list(rebuild.size)}, the metadata says {list(sizes)}")
-    if any(s != c for s, c, n in zip(rebuild.stride, _contiguous_strides(rebuild.size), rebuild.size) if n > 1):
+    if any(s != c for s, c, n in zip(rebuild.stride, contiguous_strides(rebuild.size), rebuild.size) if n > 1):
         raise CheckpointError(f"{where}: stored with strides {list(rebuild.stride)} (not row-major, e.g. a transposed "
                               f"view); save contiguous tensors (.contiguous()) to load it with distload")
     if entry.compress_type != zipfile.ZIP_STORED:
@@ -202,13 +204,6 @@ def _raw_offset(fh, start: int, length: int, dtype: torch.dtype, sizes: tuple[in
         raise CheckpointError(f"{where}: damaged zip local header")
     name_len, extra_len = struct.unpack("<HH", local[26:30])
     return start + entry.header_offset + 30 + name_len + extra_len + rebuild.storage_offset * dtype.itemsize
-
-
-def _numel(sizes) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -278,7 +273,7 @@ def discover_dcp(root: str | os.PathLike, hf_config: str | None = None, rules_pa
             raise CheckpointError(f"{root}: DCP tensor {key!r} has dtype {meta.properties.dtype}, which distload "
                                   f"does not support")
         shape = tuple(meta.size)
-        nbytes = _numel(shape) * meta.properties.dtype.itemsize
+        nbytes = math.prod(shape) * meta.properties.dtype.itemsize
         name = key[len(prefix):]
         entries[name] = TensorEntry(name, VIRTUAL_FILE, dtype, shape, at, nbytes)
         for chunk_bytes, file, offset in chunks:
@@ -317,7 +312,7 @@ def _chunks_of(root: str, key: str, meta, stored: list, handles: dict) -> list[t
         if info.offset < 0 or info.offset + info.length > os.fstat(fh.fileno()).st_size:
             raise CheckpointError(f"{where}: byte range {info.offset}+{info.length} lies outside {rel}")
         raw = _raw_offset(fh, info.offset, info.length, dtype, sizes, where)
-        out.append((_numel(sizes) * dtype.itemsize, rel, raw))
+        out.append((math.prod(sizes) * dtype.itemsize, rel, raw))
         next_row += sizes[0] if size else 1
     if (size[0] if size else 1) != next_row:
         raise CheckpointError(f"{root}: DCP tensor {key!r}: chunks cover {next_row} of {size[0] if size else 1} rows")

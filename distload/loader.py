@@ -73,12 +73,13 @@ def _discover_on_rank0(path: str, hf_config: str | None = None, rules_path: str 
     return computed_on_rank0(discover_here)
 
 
-def allocate(specs: dict[str, ParamSpec], device) -> dict[str, torch.Tensor]:
-    """Preallocated, contiguous params; a tied alias is the same tensor object as its target."""
+def allocate(specs: dict[str, ParamSpec], device, huge: bool | None = None) -> dict[str, torch.Tensor]:
+    """Preallocated, contiguous params; a tied alias is the same tensor object as its target.
+    huge: huge-page host memory (host_memory.empty; default: DISTLOAD_HUGEPAGES=1)."""
     params = {}
     for name, spec in specs.items():
         if not spec.alias_of:
-            params[name] = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), device)
+            params[name] = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), device, huge=huge)
     for name, spec in specs.items():
         if spec.alias_of:
             params[name] = params[spec.alias_of]

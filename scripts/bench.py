@@ -303,14 +303,9 @@ class Context:
         """The params the other loaders fill: `torch.empty` per param, as a model's constructor makes them
         (vLLM's loaders fill the module the model built). huge_pages: in transparent huge pages, as distload
         allocates with DISTLOAD_HUGEPAGES=1 (distload/host_memory.py), to show what that alone changes."""
-        from distload import host_memory
-        from distload.dtypes import torch_dtype
+        from distload.loader import allocate
 
-        specs = self.plan.specs[self.rank]
-        params = {name: host_memory.empty(s.local_shape, torch_dtype(s.dtype), self.device, huge=huge_pages)
-                  for name, s in specs.items() if not s.alias_of}
-        params.update({name: params[s.alias_of] for name, s in specs.items() if s.alias_of})
-        return params
+        return allocate(self.plan.specs[self.rank], self.device, huge=huge_pages)
 
     def region(self, params, param, piece):
         """The piece's destination in the param (a 2-D view)."""
@@ -415,6 +410,8 @@ def load_dcp(ctx: Context):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.tensor import DTensor, Shard
 
+    from distload.dcp import contiguous_strides
+
     if ctx.device != "cpu":
         raise NotImplementedError("dcp is compared on CPU only")
     params = ctx.allocate()
@@ -436,21 +433,13 @@ def load_dcp(ctx: Context):
             state[name] = view
         else:
             state[name] = DTensor.from_local(view, ctx.mesh, [Shard(dim)], run_check=False,
-                                             shape=tuple(src.shape), stride=_contiguous_stride(src.shape))
+                                             shape=tuple(src.shape), stride=contiguous_strides(src.shape))
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(ctx.ckpt)))
     for whole, places in cut_after:
         w2 = whole.reshape(whole.shape[0], -1) if whole.dim() > 1 else whole.reshape(-1, 1)
         for param, piece in places:
             ctx.region(params, param, piece).copy_(w2[slice(*piece.rows), slice(*piece.cols)])
     return params, 0
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 def run_loader(ctx: Context, loader: str):
