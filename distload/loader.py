@@ -159,7 +159,7 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
 
         return DcpReader(index, strategy) if isinstance(index, DcpIndex) else RangeReader(index.root, strategy=strategy)
 
-    owners = plan.layout.owner_reads and _owner_reads_possible(plan, index, topo.device, post)
+    owners = plan.layout.owner_reads and _owner_reads_possible(plan, index, topo.device)
     reader, transfer = transfer_phase(plan, topo, params, open_reader, progress,
                                       on_bucket_done=post and post.on_bucket_done, owner_reads=owners)
     clock.lap("transfer")
@@ -193,14 +193,14 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     return hand_off(result, clock, save if save_sharded else None, save_sharded, report)
 
 
-def _owner_reads_possible(plan: LoadPlan, index, device: str, post) -> bool:
+def _owner_reads_possible(plan: LoadPlan, index, device: str) -> bool:
     """--readers owners copies safetensors bytes into host params as they are; anything else takes the
     normal path (every rank is then a reader of its share of the buckets), and the log says why."""
     from .checkpoint.legacy import is_legacy_file
     from .dcp import DcpIndex
 
     why = None
-    if post is not None:
+    if any(plan.post):
         why = "post-load steps (quantization) run per bucket"
     elif isinstance(index, DcpIndex):
         why = "a torch.distributed.checkpoint directory is read chunk by chunk"
