@@ -14,6 +14,14 @@ from __future__ import annotations
 
 import torch
 
+# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when first imported:
+# imported after a process group exists (transformers' model construction does, in `verify`), it holds
+# the group forever, destroy_process_group cannot free it, and gloo's worker threads outlive the
+# interpreter - a worker finishing its last op during interpreter shutdown aborts the process
+# ("terminate called without an active exception", SIGABRT after a successful run). Imported with
+# distload, before distload or its caller creates a group, its defaults are None.
+import torch.distributed.nn.functional  # noqa: F401
+
 from .errors import CheckpointError, DistloadError, PlanError, RankFailure, RuleError
 from .loader import LoadResult, run_load
 from .refit import Refit, RefitFailed, refit

@@ -157,12 +157,5 @@ def init_process_group(topo: Topology) -> bool:
         kwargs["device_id"] = torch.device(topo.device)
     if "MASTER_ADDR" not in os.environ and topo.world == 1:
         kwargs["store"] = dist.HashStore()  # a plain `python -m distload load` needs no rendezvous
-    # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when first imported:
-    # imported after the group exists (transformers' model construction does, in `verify`), it holds the
-    # group forever, destroy_process_group cannot free it, and gloo's worker threads outlive the
-    # interpreter - a worker finishing its last op during interpreter shutdown aborts the process
-    # ("terminate called without an active exception", SIGABRT after a successful run). Imported now,
-    # its defaults are None.
-    import torch.distributed.nn.functional  # noqa: F401
-    dist.init_process_group(**kwargs)
+    dist.init_process_group(**kwargs)  # torch.distributed.nn is already imported: see distload/__init__.py
     return True

@@ -33,7 +33,7 @@ def _entry(rank, world, port, fn, args, queue, init_group, store_file):
         if init_group:
             # A file store, not TCP: a free port picked here can be taken by a concurrent test before
             # rank 0 binds it, and then ranks rendezvous with a stranger and hang.
-            import torch.distributed.nn.functional  # noqa: F401  (before the group: see topology.init_process_group)
+            import torch.distributed.nn.functional  # noqa: F401  (before the group: see distload/__init__.py)
             dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
         queue.put((rank, "ok", fn(*args)))
     except BaseException as exc:  # reported to the parent, which re-raises with the rank named
