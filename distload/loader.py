@@ -23,7 +23,7 @@ from .postprocess import PostProcess
 from .reconcile import Verdict, reconcile
 from .report import PhaseClock, Progress, build_report, rank_record, summary_line, write_report
 from .rules import rules_for
-from .transfer import Transfer, agree, agree_on_plan, all_gather_objects, computed_on_rank0, zero_padding
+from .transfer import NodePulls, Transfer, agree, agree_on_plan, all_gather_objects, computed_on_rank0, zero_padding
 
 log = logging.getLogger("distload")
 
@@ -159,9 +159,9 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
 
         return DcpReader(index, strategy) if isinstance(index, DcpIndex) else RangeReader(index.root, strategy=strategy)
 
-    owners = plan.layout.owner_reads and _owner_reads_possible(plan, index, topo.device)
+    owners, pulls = _copy_path(plan, index, topo.device)
     reader, transfer = transfer_phase(plan, topo, params, open_reader, progress,
-                                      on_bucket_done=post and post.on_bucket_done, owner_reads=owners)
+                                      on_bucket_done=post and post.on_bucket_done, owner_reads=owners, node_pulls=pulls)
     clock.lap("transfer")
 
     written = transfer.stats.written
@@ -193,9 +193,24 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     return hand_off(result, clock, save if save_sharded else None, save_sharded, report)
 
 
-def _owner_reads_possible(plan: LoadPlan, index, device: str) -> bool:
-    """--readers owners copies safetensors bytes into host params as they are; anything else takes the
-    normal path (every rank is then a reader of its share of the buckets), and the log says why."""
+def _copy_path(plan: LoadPlan, index, device: str) -> tuple[bool, bool]:
+    """(owner reads, node pulls): how bytes reach params that take them as they are, when they can.
+
+    --readers owners: every rank copies its own pieces from the files (owner_reads.py). Otherwise, when
+    every rank is on one node, ranks copy their pieces out of their reader's map of the files
+    (transfer/node_pull.py). Both copy safetensors bytes into host params as they are; anything else
+    takes the bucketed transfer (for owners the log says why)."""
+    why = _direct_copy_blocker(plan, index, device)
+    if plan.layout.owner_reads:
+        if why and plan.layout.world > 1:  # alone, the bucketed path is the same contract: nothing to say
+            log.info("--readers owners: not here (%s); every rank reads its share of the buckets instead", why)
+        return why is None, False
+    one_node = plan.layout.local_world in (0, plan.layout.world)
+    return False, why is None and one_node and plan.layout.world > 1
+
+
+def _direct_copy_blocker(plan: LoadPlan, index, device: str) -> str | None:
+    """Why the bytes cannot be copied from the files into the params as they are (None: they can)."""
     from .checkpoint.legacy import is_legacy_file
     from .dcp import DcpIndex
 
@@ -208,16 +223,15 @@ def _owner_reads_possible(plan: LoadPlan, index, device: str) -> bool:
         why = "torch.load files are unpickled whole"
     elif not device.startswith("cpu"):
         why = f"params on {device} need a host buffer between the file and the device"
-    if why and plan.layout.world > 1:  # alone, the bucketed path is the same contract: nothing to say
-        log.info("--readers owners: not here (%s); every rank reads its share of the buckets instead", why)
-    return why is None
+    return why
 
 
 def transfer_phase(plan: LoadPlan, topo, params: dict[str, torch.Tensor], open_reader, progress: bool,
-                   on_bucket_done=None, after_transfer=None, owner_reads: bool = False):
+                   on_bucket_done=None, after_transfer=None, owner_reads: bool = False, node_pulls: bool = False):
     """Phase 5 on this rank: a rank with buckets to read opens its reader, every rank runs the transfer
-    (or, owner_reads, copies its own pieces from the files: owner_reads.py), padding is zeroed, and all
-    ranks agree; returns (reader, transfer) for the report."""
+    (or, owner_reads, copies its own pieces from the files: owner_reads.py; or, node_pulls, from its
+    reader's map of them: transfer/node_pull.py), padding is zeroed, and all ranks agree; returns
+    (reader, transfer) for the report."""
     rank = topo.rank
     reader, transfer = None, None
 
@@ -227,11 +241,16 @@ def transfer_phase(plan: LoadPlan, topo, params: dict[str, torch.Tensor], open_r
             reader = open_reader()
         if owner_reads:
             transfer = OwnerReads(plan, rank, params, reader)
-        else:
+            transfer.run()
+        elif node_pulls:
+            transfer = NodePulls(plan, rank, params, reader, timeout_s=topo.timeout_s)
+            if transfer.run() is None:  # a reader cannot serve pulls (logged): every rank takes the buckets
+                transfer = None
+        if transfer is None:
             bar = Progress(plan.checkpoint_bytes, enabled=progress and rank == 0)
             transfer = Transfer(plan, rank, params, reader=reader, device=topo.device,
                                 progress=bar if rank == 0 else None, on_bucket_done=on_bucket_done)
-        transfer.run()
+            transfer.run()
         zero_padding(params, plan.staging_specs(rank), transfer.stats)
         if transfer.error is not None:
             raise transfer.error

@@ -34,7 +34,7 @@ class OwnerReads:
 
     def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader):
         self.plan, self.rank, self.params, self.reader = plan, rank, params, reader
-        self.stats = TransferStats()
+        self.stats = TransferStats(path="owner-reads")
         self.error: BaseException | None = None  # as Transfer's; this one raises instead
 
     def run(self) -> TransferStats:

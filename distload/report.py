@@ -53,6 +53,7 @@ def rank_record(rank: int, stats, reader, device: str) -> dict:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_device_bytes": peak_device,
         "io_read_bytes": process_io_read_bytes(),
+        "transfer_path": stats.path,
     }
 
 

@@ -59,6 +59,9 @@ def test_dense_families_exact(dense_checkpoints, tmp_path, world):
         assert report["storage_bytes_read"] == report["checkpoint_bytes"] == tensor_bytes(path), fam
         manifest = json.loads((tmp_path / f"{fam}-tp{world}" / "manifest.json").read_text())
         assert manifest["world_size"] == world and manifest["tp"] == world
+    # one node: every rank copied its pieces out of rank 0's map of the files (world 1: the one owner reads)
+    paths = {r["transfer_path"] for rep in results[0]["reports"].values() for r in rep["per_rank"]}
+    assert paths == {"node-pulls" if world > 1 else "owner-reads"}, paths
     # only rank 0 (the one reader of this single node) ever opened a weight file
     assert results[0]["opened"], "rank 0 read nothing?"
     assert all(not r["opened"] for r in results[1:]), [r["opened"] for r in results[1:]]
@@ -153,6 +156,58 @@ def test_several_readers_and_legacy_bin(dense_checkpoints, tmp_path):
         assert sum(1 for b in reads if b > 0) == readers, (fam, readers, reads)   # every reader took a share
         assert max(reads) <= 0.75 * sum(reads), (fam, readers, reads)           # ... and nobody took it all
     assert all(r["opened"] > 0 for r in results)   # with readers == world every rank reads some file
+
+
+def _node_pulls_and_the_bucketed_path(checkpoints: dict) -> dict:
+    """One node: node pulls (the default) and the bucketed path through shared slots (DISTLOAD_PULL=0)
+    give the same exact shards; a module of another dtype is converted as pieces are pulled; the readers'
+    RSS does not keep what the ranks pulled through their maps."""
+    import os
+
+    import torch.distributed as dist
+
+    import distload
+
+    opened = record_weight_opens(checkpoints.values())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems, paths = [], []
+    for pull in ("1", "0"):
+        os.environ["DISTLOAD_PULL"] = pull
+        try:
+            for fam in ("llama_mqa_tied", "qwen3", "phi3"):
+                for readers in ("per-node", 2):
+                    result = distload.load(checkpoints[fam], tp=world, readers=readers, staging_mib=1, progress=False)
+                    where = f"{fam} readers={readers} DISTLOAD_PULL={pull} rank{rank}"
+                    problems += differences(result.params, _expected(checkpoints[fam], rank, world), where)
+                    report = result.report
+                    paths.append((pull, readers, report["per_rank"][rank]["transfer_path"]))
+                    if report["storage_bytes_read"] != report["checkpoint_bytes"]:
+                        problems.append(f"{where}: read {report['storage_bytes_read']} of {report['checkpoint_bytes']}")
+                    sent = sum(r["bytes_sent"] for r in report["per_rank"])
+                    received = sum(r["bytes_received"] for r in report["per_rank"])
+                    if sent != received or received == 0:
+                        problems.append(f"{where}: sent {sent} != received {received}")
+        finally:
+            del os.environ["DISTLOAD_PULL"]
+    opened = sorted(set(opened))  # inspect (below) reads headers on every rank: not a load
+    path = checkpoints["qwen2"]
+    module = module_from_specs(distload.inspect(path, tp=world).specs[rank]).to(torch.float64)
+    distload.load_into(module, path, tp=world, progress=False)
+    got = {n: p.data for n, p in module.named_parameters(remove_duplicate=False)}
+    problems += differences(got, {n: t.double() for n, t in _expected(path, rank, world).items()},
+                            f"node pulls load_into float64 rank{rank}")
+    return {"problems": problems, "paths": paths, "opened": opened}
+
+
+def test_node_pulls_and_the_bucketed_path_agree(dense_checkpoints):
+    results = run_ranks(4, _node_pulls_and_the_bucketed_path, dense_checkpoints)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    for r in results:
+        assert {path for pull, _, path in r["paths"] if pull == "1"} == {"node-pulls"}, r["paths"]
+        assert {path for pull, _, path in r["paths"] if pull == "0"} == {"buckets"}, r["paths"]
+    assert results[0]["opened"] and results[1]["opened"]  # readers=2: ranks 0 and 1 ...
+    assert not results[2]["opened"] and not results[3]["opened"]  # ... and nobody else opened a weight file
 
 
 def _load_with_rank_dependent_staging(path: str) -> str:

@@ -62,8 +62,9 @@ class RangeReader:
         self._bounce = threading.local()  # one aligned buffer per reading thread
         self._pool = None  # threaded: the thread pool, made on first use
 
-    def read_into(self, entry_file: str, offset: int, out: memoryview | torch.Tensor) -> int:
-        """Fill `out` with exactly len(out) bytes of `entry_file` at `offset`; returns the count."""
+    def read_into(self, entry_file: str, offset: int, out: memoryview | torch.Tensor, tally: bool = True) -> int:
+        """Fill `out` with exactly len(out) bytes of `entry_file` at `offset`; returns the count.
+        tally=False: the caller counts these bytes itself (see count_read)."""
         view = _as_byte_view(out)
         if is_legacy_file(entry_file):
             count = self._legacy_file(entry_file).read_into(offset, view)
@@ -77,8 +78,9 @@ class RangeReader:
                 count = self._read_threaded(entry_file, fd, offset, view)
             else:
                 count = _pread_exactly(fd, self.root, entry_file, offset, view)
-        with self._lock:
-            self.bytes_read += count
+        if tally:
+            with self._lock:
+                self.bytes_read += count
         return count
 
     def fd_of(self, entry_file: str) -> int:

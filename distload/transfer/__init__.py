@@ -5,7 +5,9 @@ the next bucket coming while this one is on the wire); each bucket goes out as o
 `broadcast` when every rank keeps the whole tensor, point-to-point sends otherwise, so a rank receives
 only the bytes it keeps — and receivers copy the pieces into their preallocated params. With gloo on CPU,
 ranks on a reader's node take their pieces straight out of its shared-memory read buffers instead (only a
-token and a reply per bucket travel): sharded bytes never cross a socket within a node.
+token and a reply per bucket travel): sharded bytes never cross a socket within a node. When the whole
+job is one node and params are host memory, there are no buckets on the wire at all: every rank copies
+its pieces straight out of its reader's map of the files (node_pull.py, pull.py): one copy per byte.
 
 Everything on the wire is raw bytes in contiguous uint8 buffers: gloo cannot send float8 and silently
 corrupts non-contiguous tensors (it sends the storage's first bytes), while `view(torch.uint8)` of a
@@ -18,7 +20,8 @@ from .buffers import TransferStats, as_bytes2d, typed2d
 from .collectives import (all_gather_cat, all_gather_objects, all_reduce_sum, barrier, broadcast_object,
                           computed_on_rank0)
 from .engine import Transfer, wire_layout, zero_padding
+from .node_pull import NodePulls
 
-__all__ = ["LostPeer", "Transfer", "TransferStats", "agree", "agree_on_plan", "all_gather_cat", "all_gather_objects",
+__all__ = ["LostPeer", "NodePulls", "Transfer", "TransferStats", "agree", "agree_on_plan", "all_gather_cat", "all_gather_objects",
            "all_reduce_sum", "as_bytes2d", "barrier", "broadcast_object", "computed_on_rank0", "report_together",
            "typed2d", "wire_layout", "zero_padding"]

@@ -24,6 +24,8 @@ class TransferStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     buckets: int = 0
+    # How bytes reached this rank's params: "buckets" (engine.py), "node-pulls" (node_pull.py), "owner-reads".
+    path: str = "buckets"
     written: dict[str, list[tuple[int, int, int, int]]] = field(default_factory=dict)  # param -> rectangles
 
     def record(self, param: str, piece) -> None:
