@@ -492,6 +492,10 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
+    # Before the group exists: importing it afterwards pins the group in torch.distributed.nn's default
+    # arguments and the process can abort at exit (distload/__init__.py says why).
+    import distload  # noqa: F401
+
     logging_quiet()
     torch.set_num_threads(1)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
