@@ -21,6 +21,7 @@ loader cannot see. On bare metal the first-touch saving above is what remains.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -30,6 +31,26 @@ import torch
 HUGE_PAGE = 2 << 20
 # Below this a tensor is left to torch's allocator: a huge page would be mostly empty.
 MIN_BYTES = HUGE_PAGE
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_libc = None
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Fault in a large CPU tensor's pages now, in one call (`MADV_POPULATE_WRITE`), rather than one
+    page fault at a time during the copy that fills it. Measured here, a fresh 256 MiB buffer filled from
+    the page cache: 0.107-0.126 CPU-s populated first vs 0.135-0.139 faulted by the copy (the zeroing is
+    the same; what goes is 65k separate faults). False where the kernel cannot (the copy faults then)."""
+    global _libc
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < MIN_BYTES or not hasattr(mmap, "PAGESIZE"):
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
+    return _libc.madvise(start, t.data_ptr() + nbytes - start, _MADV_POPULATE_WRITE) == 0
 
 
 def _wanted() -> bool:
