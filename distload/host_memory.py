@@ -37,20 +37,25 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _libc = None
 
 
-def populate(t: torch.Tensor) -> bool:
-    """Fault in a large CPU tensor's pages now, in one call (`MADV_POPULATE_WRITE`), rather than one
-    page fault at a time during the copy that fills it. Measured here, a fresh 256 MiB buffer filled from
-    the page cache: 0.107-0.126 CPU-s populated first vs 0.135-0.139 faulted by the copy (the zeroing is
-    the same; what goes is 65k separate faults). False where the kernel cannot (the copy faults then)."""
+def populate(region: torch.Tensor) -> bool:
+    """Fault in the pages under a region of a CPU tensor (a view, strided or not) now, in one call
+    (`MADV_POPULATE_WRITE`), just before a copy fills it, rather than one fault per 4 KiB page inside the
+    copy. Measured here, a fresh 256 MiB buffer filled from the page cache: 0.107-0.126 CPU-s populated
+    first vs 0.135-0.139 faulted by the copy (the zeroing is the same; what goes is 65k separate faults).
+    Per piece, not per param at allocation: populating everything up front ran before the first read,
+    so a cold load lost the overlap of those faults with the disk (1 GiB at 1 rank: 0.97 s vs 0.83 s).
+    False where nothing was done (small regions, other devices, kernels before 5.14)."""
     global _libc
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < MIN_BYTES or not hasattr(mmap, "PAGESIZE"):
+    if region.device.type != "cpu" or region.numel() == 0:
+        return False
+    span = region.element_size() * (1 + sum((n - 1) * st for n, st in zip(region.shape, region.stride())))
+    if span < MIN_BYTES or not hasattr(mmap, "PAGESIZE"):
         return False
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
-    return _libc.madvise(start, t.data_ptr() + nbytes - start, _MADV_POPULATE_WRITE) == 0
+    start = region.data_ptr() - region.data_ptr() % mmap.PAGESIZE
+    return _libc.madvise(start, region.data_ptr() + span - start, _MADV_POPULATE_WRITE) == 0
 
 
 def _wanted() -> bool:

@@ -73,17 +73,13 @@ def _discover_on_rank0(path: str, hf_config: str | None = None, rules_path: str 
     return computed_on_rank0(discover_here)
 
 
-def allocate(specs: dict[str, ParamSpec], device, huge: bool | None = None,
-             populate: bool = False) -> dict[str, torch.Tensor]:
+def allocate(specs: dict[str, ParamSpec], device, huge: bool | None = None) -> dict[str, torch.Tensor]:
     """Preallocated, contiguous params; a tied alias is the same tensor object as its target.
-    huge: huge-page host memory (host_memory.empty; default: DISTLOAD_HUGEPAGES=1); populate: fault in
-    large host params now, in one call each, instead of page by page while they are filled."""
+    huge: huge-page host memory (host_memory.empty; default: DISTLOAD_HUGEPAGES=1)."""
     params = {}
     for name, spec in specs.items():
         if not spec.alias_of:
             params[name] = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), device, huge=huge)
-            if populate:
-                host_memory.populate(params[name])
     for name, spec in specs.items():
         if spec.alias_of:
             params[name] = params[spec.alias_of]
@@ -147,7 +143,7 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
             post = PostProcess(plan, rank, topo.device)
             return post.allocate(None if into is None else _check_into(into, specs))
         if into is None:
-            return allocate(specs, topo.device, populate=True)
+            return allocate(specs, topo.device)
         return _check_into(into, specs)
 
     params = _phase("allocate", make_params)

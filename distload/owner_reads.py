@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from . import host_memory
 from .dtypes import torch_dtype
 from .plan import LoadPlan
 from .shard import view2d
@@ -52,6 +53,7 @@ class OwnerReads:
         same_dtype = dst.dtype == torch_dtype(src.dtype)
         if same_dtype:
             region = as_bytes2d(dst)[piece.dst_row:piece.dst_row + rows, piece.dst_col * isz:(piece.dst_col + cols) * isz]
+            host_memory.populate(region)
             if cols == view2d(src.shape)[1] and region.is_contiguous():  # whole rows: one byte range
                 self.reader.read_into(src.file, start, region.reshape(-1))
                 self.stats.record(param, piece)

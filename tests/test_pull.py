@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from distload.transfer.node_pull import ProgressBoard, windows_of
+from distload.transfer.node_pull import WINDOW_BYTES, ProgressBoard, windows_of
 from distload.transfer.pull import FileMaps, pull_rows, why_not_usable
 
 pytestmark = pytest.mark.skipif(why_not_usable() is not None, reason=f"no pulls here: {why_not_usable()}")
@@ -115,7 +115,8 @@ def test_progress_board_is_shared_and_knows_a_dead_rank():
 def test_windows_group_one_readers_consecutive_buckets():
     from types import SimpleNamespace as NS
 
-    buckets = [NS(reader=r, read_bytes=n) for r, n in [(0, 10 << 20), (0, 10 << 20), (1, 1), (0, 30 << 20), (0, 1)]]
+    w = WINDOW_BYTES
+    buckets = [NS(reader=r, read_bytes=n) for r, n in [(0, w * 5 // 8), (0, w * 5 // 8), (1, 1), (0, 2 * w), (0, 1)]]
     plan = NS(buckets=buckets, checkpoint_bytes=sum(b.read_bytes for b in buckets))
     windows = windows_of(plan)
     assert [(reader, len(bs)) for reader, bs in windows] == [(0, 2), (1, 1), (0, 1), (0, 1)]

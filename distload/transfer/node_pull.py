@@ -8,7 +8,7 @@ copies and hand-offs, not storage reads. The bucketed transfer (engine.py) costs
 - every rank, the readers included, copies each of its pieces once, from the reader's map into its
   param, with `process_vm_readv` (pull.py): the kernel reads the pages from the page cache (from the disk
   the first time: still once per node), and a row-parallel piece is one call with one segment per row;
-- the ranks go through the readers' buckets in plan order, a window (~16 MiB) at a time, and count the
+- the ranks go through the readers' buckets in plan order, a window (~8 MiB) at a time, and count the
   windows they finished on a progress board in shared memory; a reader drops its page-table entries for
   a window once every rank is past it (the pages stay in the page cache), and no rank runs more than
   LEAD windows ahead of the slowest, so what the ranks pulled through a reader's map never piles up in
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import faults
+from .. import faults, host_memory
 from ..dtypes import torch_dtype
 from ..errors import DistloadError
 from ..plan import Bucket, LoadPlan
@@ -45,7 +45,7 @@ log = logging.getLogger("distload")
 # The readers' page-table entries for what the ranks pulled through their maps are dropped a window at a
 # time, once every rank is past it; a rank never runs more than LEAD windows ahead of the slowest, so a
 # reader's RSS holds at most about (LEAD + 1) windows of the files.
-WINDOW_BYTES = 16 << 20
+WINDOW_BYTES = 8 << 20
 MAX_WINDOWS = 4096
 LEAD = 4
 _TABLE_HEAD = 3   # usable, pid, progress board fd
@@ -203,6 +203,8 @@ class NodePulls:
             as_is = dst.dtype == torch_dtype(src.dtype)
             block = (as_bytes2d(dst)[piece.dst_row:piece.dst_row + rows, piece.dst_col * isz:piece.dst_col * isz + seg]
                      if as_is else torch.empty((rows, seg), dtype=torch.uint8))
+            if as_is:
+                host_memory.populate(block)
             try:
                 if bucket.reader == self.rank and block.is_contiguous() and seg == src.row_bytes:
                     # Its own whole rows, a reader reads straight into the param: nothing comes into its map.
