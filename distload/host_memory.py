@@ -42,8 +42,9 @@ def populate(region: torch.Tensor) -> bool:
     (`MADV_POPULATE_WRITE`), just before a copy fills it, rather than one fault per 4 KiB page inside the
     copy. Measured here, a fresh 256 MiB buffer filled from the page cache: 0.107-0.126 CPU-s populated
     first vs 0.135-0.139 faulted by the copy (the zeroing is the same; what goes is 65k separate faults).
-    Per piece, not per param at allocation: populating everything up front ran before the first read,
-    so a cold load lost the overlap of those faults with the disk (1 GiB at 1 rank: 0.97 s vs 0.83 s).
+    Per piece, not per param at allocation: populating everything up front runs before the first read,
+    so a cold load loses the overlap of those faults with the disk's read-ahead (the cold rows of the one
+    bench run made that way were the slowest of the day, e.g. 2 ranks 1.23x vs 1.05-1.13x).
     False where nothing was done (small regions, other devices, kernels before 5.14)."""
     global _libc
     if region.device.type != "cpu" or region.numel() == 0:
