@@ -276,6 +276,8 @@ def test_inspect_shows_owner_reads(dense_checkpoints):
     plan = distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4, readers="owners")
     table = describe_plan(plan)
     assert "owner reads (--readers owners)" in table and "readers [0, 1, 2, 3]" in table
+    assert "node pulls" in describe_plan(distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4))
+    assert "node pulls" not in describe_plan(distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4, local_world=2))
     rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
     assert [int(r[3].replace(",", "")) for r in rows] == [plan.owned_bytes(r) for r in range(4)]  # reads
     assert all(int(r[4].replace(",", "")) == 0 for r in rows)  # receives nothing
