@@ -37,7 +37,7 @@ def describe_plan(plan: LoadPlan) -> str:
     owners = layout.owner_reads and not any(plan.post)
     if owners and layout.world > 1:
         lines.append("owner reads (--readers owners): each rank copies its own pieces from the files; nothing is sent")
-    elif layout.world > 1 and layout.local_world in (0, layout.world) and not any(plan.post):
+    elif layout.world > 1 and layout.one_node and not any(plan.post):
         lines.append("one node: with params in host memory each rank pulls what it 'receives' straight out of its "
                      "reader's map of the files (node pulls; DISTLOAD_PULL=0: through the reader's shared staging)")
     header = (f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "

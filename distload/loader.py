@@ -205,8 +205,7 @@ def _copy_path(plan: LoadPlan, index, device: str) -> tuple[bool, bool]:
         if why and plan.layout.world > 1:  # alone, the bucketed path is the same contract: nothing to say
             log.info("--readers owners: not here (%s); every rank reads its share of the buckets instead", why)
         return why is None, False
-    one_node = plan.layout.local_world in (0, plan.layout.world)
-    return False, why is None and one_node and plan.layout.world > 1
+    return False, why is None and plan.layout.one_node and plan.layout.world > 1
 
 
 def _direct_copy_blocker(plan: LoadPlan, index, device: str) -> str | None:

@@ -27,7 +27,7 @@ from . import host_memory
 from .dtypes import torch_dtype
 from .plan import LoadPlan
 from .shard import view2d
-from .transfer import TransferStats, as_bytes2d, typed2d
+from .transfer import TransferStats, piece_bytes, write_piece
 
 
 class OwnerReads:
@@ -52,7 +52,7 @@ class OwnerReads:
         start = src.offset + piece.rows[0] * src.row_bytes
         same_dtype = dst.dtype == torch_dtype(src.dtype)
         if same_dtype:
-            region = as_bytes2d(dst)[piece.dst_row:piece.dst_row + rows, piece.dst_col * isz:(piece.dst_col + cols) * isz]
+            region = piece_bytes(dst, piece)
             host_memory.populate(region)
             if cols == view2d(src.shape)[1] and region.is_contiguous():  # whole rows: one byte range
                 self.reader.read_into(src.file, start, region.reshape(-1))
@@ -60,12 +60,8 @@ class OwnerReads:
                 return
 
         def copy_columns(raw: torch.Tensor) -> None:
-            block = raw.view(rows, src.row_bytes)[:, piece.cols[0] * isz:piece.cols[1] * isz]
-            if same_dtype:
-                region.copy_(block)
-            else:  # the caller's module has another dtype: convert while copying
-                typed = block.contiguous().view(torch_dtype(src.dtype)).view(rows, cols)
-                typed2d(dst)[piece.dst_row:piece.dst_row + rows, piece.dst_col:piece.dst_col + cols].copy_(typed)
+            write_piece(dst, piece, raw.view(rows, src.row_bytes)[:, piece.cols[0] * isz:piece.cols[1] * isz],
+                        torch_dtype(src.dtype))
 
         _with_mapped(self.reader.fd_of(src.file), start, rows * src.row_bytes, copy_columns)
         self.reader.count_read(rows * cols * isz)

@@ -46,6 +46,11 @@ class Layout:
         if self.owner_reads and len(self.readers) != self.world:
             raise DistloadError("owner reads need every rank to be a reader")
 
+    @property
+    def one_node(self) -> bool:
+        """Are all ranks on one node (one page cache)?"""
+        return self.local_world in (0, self.world)
+
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 

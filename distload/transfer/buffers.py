@@ -47,6 +47,45 @@ def as_bytes2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8).view(rows, cols * t.element_size())
 
 
+def piece_bytes(dst: torch.Tensor, piece) -> torch.Tensor:
+    """The rectangle of `dst` a piece fills, as bytes: uint8 [rows, cols * itemsize] (rows may be strided)."""
+    isz = dst.element_size()
+    r0, c0 = piece.dst_row, piece.dst_col
+    rows, cols = piece.rows[1] - piece.rows[0], piece.cols[1] - piece.cols[0]
+    return as_bytes2d(dst)[r0:r0 + rows, c0 * isz:(c0 + cols) * isz]
+
+
+def write_piece(dst: torch.Tensor, piece, block_bytes: torch.Tensor, src_dtype: torch.dtype) -> None:
+    """Copy a block of source bytes (uint8 [rows, cols * itemsize of src_dtype]) into the piece's rectangle
+    of `dst`; if the caller's param has another dtype, convert while copying (one piece at a time)."""
+    if dst.dtype == src_dtype:
+        piece_bytes(dst, piece).copy_(block_bytes)
+        return
+    r0, c0 = piece.dst_row, piece.dst_col
+    rows, cols = piece.rows[1] - piece.rows[0], piece.cols[1] - piece.cols[0]
+    typed2d(dst)[r0:r0 + rows, c0:c0 + cols].copy_(block_bytes.contiguous().view(src_dtype).view(rows, cols))
+
+
+def shared_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
+    """(fd, map) of fresh shared memory that other processes of this node can map (map_peer_fd)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return fd, mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_peer_fd(pid: int, fd: int) -> mmap.mmap:
+    """Map another process's memfd (shared_memfd) into this one, through /proc/<pid>/fd/<fd>."""
+    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    try:
+        return mmap.mmap(handle, os.fstat(handle).st_size)
+    finally:
+        os.close(handle)
+
+
 class BufferPool:
     """Fixed, reused staging buffers: first-touch page faults cost 3-7x a warm copy, so allocate once."""
 
@@ -87,13 +126,8 @@ class SharedSlots:
 
     def __init__(self, count: int, nbytes: int):
         self.slot_bytes = max(nbytes, 1)
-        self.fd = os.memfd_create("distload-staging", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, count * self.slot_bytes)
-            self.tensor = torch.frombuffer(mmap.mmap(self.fd, count * self.slot_bytes), dtype=torch.uint8)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.fd, memory = shared_memfd("distload-staging", count * self.slot_bytes)
+        self.tensor = torch.frombuffer(memory, dtype=torch.uint8)
         self.slots = [self.tensor[i * self.slot_bytes:(i + 1) * self.slot_bytes] for i in range(count)]
 
     def token(self, buf: torch.Tensor) -> torch.Tensor:
@@ -111,11 +145,7 @@ def attach_slot(token: torch.Tensor, attached: dict) -> torch.Tensor:
     """The slot a token names, mapped into this process (each reader's memory once)."""
     pid, fd, slot, slot_bytes = (int(x) for x in token.view(torch.int64))
     if (pid, fd) not in attached:
-        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-        try:
-            attached[(pid, fd)] = torch.frombuffer(mmap.mmap(handle, os.fstat(handle).st_size), dtype=torch.uint8)
-        finally:
-            os.close(handle)
+        attached[(pid, fd)] = torch.frombuffer(map_peer_fd(pid, fd), dtype=torch.uint8)
     return attached[(pid, fd)][slot * slot_bytes:(slot + 1) * slot_bytes]
 
 

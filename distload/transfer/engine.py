@@ -15,7 +15,7 @@ from ..plan import Bucket, Item, LoadPlan, Source, broadcast_offset, clip
 from ..shard import view2d
 from .agreement import LostPeer
 from .buffers import (SHM_DONE_BYTES, SHM_TOKEN_BYTES, BufferPool, ReadAhead, SharedSlots, TransferStats,
-                      as_bytes2d, attach_slot, shm_usable, typed2d)
+                      attach_slot, piece_bytes, shm_usable, typed2d, write_piece)
 from .collectives import require_contiguous
 
 
@@ -118,10 +118,7 @@ class Transfer:
             return None
         if dst.dtype != torch_dtype(src_dtype) or dst.device != device:
             return None
-        isz = dst.element_size()
-        r0, c0 = piece.dst_row, piece.dst_col
-        rows, cols = piece.rows[1] - piece.rows[0], piece.cols[1] - piece.cols[0]
-        region = as_bytes2d(dst)[r0:r0 + rows, c0 * isz:(c0 + cols) * isz]
+        region = piece_bytes(dst, piece)
         return region.reshape(-1) if region.is_contiguous() else None
 
     def _via_shm(self, bucket: Bucket, rank: int) -> bool:
@@ -183,15 +180,7 @@ class Transfer:
 
     def _write(self, param: str, piece, block_bytes: torch.Tensor, src_dtype: str) -> None:
         """Copy a block (uint8 [rows, cols*itemsize]) into the param's region; record the rectangle."""
-        dst = self.params[param]
-        rows, cols = piece.rows[1] - piece.rows[0], piece.cols[1] - piece.cols[0]
-        r0, c0 = piece.dst_row, piece.dst_col
-        if dst.dtype == torch_dtype(src_dtype):
-            isz = dst.element_size()
-            as_bytes2d(dst)[r0:r0 + rows, c0 * isz:(c0 + cols) * isz].copy_(block_bytes)
-        else:  # the caller's module has another dtype: convert while copying (one piece at a time)
-            typed = block_bytes.contiguous().view(torch_dtype(src_dtype)).view(rows, cols)
-            typed2d(dst)[r0:r0 + rows, c0:c0 + cols].copy_(typed)
+        write_piece(self.params[param], piece, block_bytes, torch_dtype(src_dtype))
         self.stats.record(param, piece)
 
     def _unpack_wire_item(self, block: torch.Tensor, item: Item) -> None:

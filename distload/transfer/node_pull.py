@@ -24,7 +24,6 @@ rank in the same broadcast, so a job where they cannot takes the bucketed path o
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 
@@ -37,7 +36,7 @@ from ..dtypes import torch_dtype
 from ..errors import DistloadError
 from ..plan import Bucket, LoadPlan
 from .agreement import LostPeer
-from .buffers import TransferStats, as_bytes2d, typed2d
+from .buffers import TransferStats, map_peer_fd, piece_bytes, shared_memfd, write_piece
 from .pull import AllowPulls, FileMaps, pull_rows, why_not_usable
 
 log = logging.getLogger("distload")
@@ -76,17 +75,10 @@ class ProgressBoard:
 
     def __init__(self, world: int, fd: int | None = None, pid: int | None = None):
         self.world, self.own_fd = world, None
-        nbytes = world * _SLOT * 8
         if fd is None:
-            self.own_fd = fd = os.memfd_create("distload-progress", os.MFD_CLOEXEC)
-            os.ftruncate(fd, nbytes)
-            self.map = mmap.mmap(fd, nbytes)
+            self.own_fd, self.map = shared_memfd("distload-progress", world * _SLOT * 8)
         else:
-            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-            try:
-                self.map = mmap.mmap(handle, nbytes)
-            finally:
-                os.close(handle)
+            self.map = map_peer_fd(pid, fd)
         board = np.frombuffer(self.map, dtype=np.int64)
         self.counts, self.pids = board[::_SLOT], board[1::_SLOT]
 
@@ -201,8 +193,7 @@ class NodePulls:
                       + piece.cols[0] * isz)
             dst = self.params[item.param]
             as_is = dst.dtype == torch_dtype(src.dtype)
-            block = (as_bytes2d(dst)[piece.dst_row:piece.dst_row + rows, piece.dst_col * isz:piece.dst_col * isz + seg]
-                     if as_is else torch.empty((rows, seg), dtype=torch.uint8))
+            block = piece_bytes(dst, piece) if as_is else torch.empty((rows, seg), dtype=torch.uint8)
             if as_is:
                 host_memory.populate(block)
             try:
@@ -218,10 +209,8 @@ class NodePulls:
                     f"rank {bucket.reader}'s map of it (process {pid}): {exc}. On one node ranks copy their pieces "
                     "out of their reader's memory (process_vm_readv: same user, Yama ptrace_scope <= 1); set "
                     "DISTLOAD_PULL=0 to use the bucketed transfer instead") from exc
-            if not as_is:  # the caller's module has another dtype: convert while copying into it
-                cols = piece.cols[1] - piece.cols[0]
-                typed2d(dst)[piece.dst_row:piece.dst_row + rows, piece.dst_col:piece.dst_col + cols].copy_(
-                    block.view(torch_dtype(src.dtype)).view(rows, cols))
+            if not as_is:  # the caller's module has another dtype: pulled into scratch, converted into it
+                write_piece(dst, piece, block, torch_dtype(src.dtype))
             self.stats.record(item.param, piece)
             if bucket.reader != self.rank:
                 self.stats.bytes_received += rows * seg

@@ -70,16 +70,17 @@ def _probe() -> str | None:
     if _yama_scope() >= 2:
         return f"Yama ptrace_scope is {_yama_scope()}: only an administrator may read another process's memory"
     try:
-        lib = _lib()
+        _lib()
     except (OSError, AttributeError) as exc:
         return f"no process_vm_readv in this C library: {exc}"
     # The syscall itself may be filtered (seccomp): try it on this process.
-    src, dst = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
-    local = np.array([[dst.ctypes.data, 8]], dtype=np.uint64)
-    remote = np.array([[src.ctypes.data, 8]], dtype=np.uint64)
-    if lib.process_vm_readv(os.getpid(), local.ctypes.data, 1, remote.ctypes.data, 1, 0) != 8:
-        return f"process_vm_readv failed: {os.strerror(ctypes.get_errno())}"
-    return None
+    src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(1, 8, dtype=torch.uint8)
+    try:
+        pull_rows(os.getpid(), src.data_ptr(), 8, dst)
+    except OSError as exc:
+        return f"process_vm_readv failed: {exc}"
+    return None if torch.equal(dst[0], src) else "process_vm_readv returned other bytes"
+
 
 
 class AllowPulls:
