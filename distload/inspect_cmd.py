@@ -38,8 +38,8 @@ def describe_plan(plan: LoadPlan) -> str:
     if owners and layout.world > 1:
         lines.append("owner reads (--readers owners): each rank copies its own pieces from the files; nothing is sent")
     elif layout.world > 1 and layout.one_node and not any(plan.post):
-        lines.append("one node: with params in host memory each rank pulls what it 'receives' straight out of its "
-                     "reader's map of the files (node pulls; DISTLOAD_PULL=0: through the reader's shared staging)")
+        lines.append("one node: with params in host memory each rank copies what it 'receives' straight from the "
+                     "files its reader opened (node pulls; DISTLOAD_PULL=0: through the reader's shared staging)")
     header = (f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "
               f"{'expert bytes':>15}  experts")
     lines.append(header)

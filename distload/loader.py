@@ -197,7 +197,7 @@ def _copy_path(plan: LoadPlan, index, device: str) -> tuple[bool, bool]:
     """(owner reads, node pulls): how bytes reach params that take them as they are, when they can.
 
     --readers owners: every rank copies its own pieces from the files (owner_reads.py). Otherwise, when
-    every rank is on one node, ranks copy their pieces out of their reader's map of the files
+    every rank is on one node, ranks copy their pieces from the files their reader opened
     (transfer/node_pull.py). Both copy safetensors bytes into host params as they are; anything else
     takes the bucketed transfer (for owners the log says why)."""
     why = _direct_copy_blocker(plan, index, device)
@@ -228,16 +228,16 @@ def _direct_copy_blocker(plan: LoadPlan, index, device: str) -> str | None:
 def transfer_phase(plan: LoadPlan, topo, params: dict[str, torch.Tensor], open_reader, progress: bool,
                    on_bucket_done=None, after_transfer=None, owner_reads: bool = False, node_pulls: bool = False):
     """Phase 5 on this rank: a rank with buckets to read opens its reader, every rank runs the transfer
-    (or, owner_reads, copies its own pieces from the files: owner_reads.py; or, node_pulls, from its
-    reader's map of them: transfer/node_pull.py), padding is zeroed, and all ranks agree; returns
+    (or, owner_reads, copies its own pieces from the files: owner_reads.py; or, node_pulls, from the
+    files its reader opened: transfer/node_pull.py), padding is zeroed, and all ranks agree; returns
     (reader, transfer) for the report."""
     rank = topo.rank
     reader, transfer = None, None
 
     def move():
         nonlocal reader, transfer
-        if owner_reads or any(b.reader == rank for b in plan.buckets):
-            reader = open_reader()
+        if owner_reads or node_pulls or any(b.reader == rank for b in plan.buckets):
+            reader = open_reader()  # with node pulls, the other ranks read through descriptors they borrow
         if owner_reads:
             transfer = OwnerReads(plan, rank, params, reader)
             transfer.run()

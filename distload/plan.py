@@ -126,6 +126,13 @@ class LoadPlan:
         return sum(d.piece.numel * itemsize(src.dtype) for src in self.sources.values() for d in src.deliveries
                    if d.rank == rank)
 
+    def owned_pieces(self, rank: int) -> list:
+        """(source, delivery) of every piece delivered to `rank`, in file order (file, then offset): the order
+        in which a rank that copies its own pieces from the files reads them."""
+        mine = [(src, d) for src in self.sources.values() for d in src.deliveries if d.rank == rank]
+        mine.sort(key=lambda sd: (sd[0].file, sd[0].offset + sd[1].piece.rows[0] * sd[0].row_bytes))
+        return mine
+
     def staging_specs(self, rank: int) -> dict[str, ParamSpec]:
         """What the transfer writes on `rank` (the final specs unless a post-load step rewrites params)."""
         return self.staging[rank] if self.staging else self.specs[rank]

@@ -59,7 +59,7 @@ def test_dense_families_exact(dense_checkpoints, tmp_path, world):
         assert report["storage_bytes_read"] == report["checkpoint_bytes"] == tensor_bytes(path), fam
         manifest = json.loads((tmp_path / f"{fam}-tp{world}" / "manifest.json").read_text())
         assert manifest["world_size"] == world and manifest["tp"] == world
-    # one node: every rank copied its pieces out of rank 0's map of the files (world 1: the one owner reads)
+    # one node: every rank copied its pieces from the files rank 0 opened (world 1: the one owner reads)
     paths = {r["transfer_path"] for rep in results[0]["reports"].values() for r in rep["per_rank"]}
     assert paths == {"node-pulls" if world > 1 else "owner-reads"}, paths
     # only rank 0 (the one reader of this single node) ever opened a weight file
@@ -160,8 +160,7 @@ def test_several_readers_and_legacy_bin(dense_checkpoints, tmp_path):
 
 def _node_pulls_and_the_bucketed_path(checkpoints: dict) -> dict:
     """One node: node pulls (the default) and the bucketed path through shared slots (DISTLOAD_PULL=0)
-    give the same exact shards; a module of another dtype is converted as pieces are pulled; the readers'
-    RSS does not keep what the ranks pulled through their maps."""
+    give the same exact shards; a module of another dtype is converted as pieces are pulled."""
     import os
 
     import torch.distributed as dist

@@ -1,122 +1,119 @@
-"""distload/transfer/pull.py and the progress board of node_pull.py, in real processes (no group needed)."""
+"""distload/transfer/pull.py (borrowing another process's open files) and file_copy.py (a piece from a
+file into its param), in real processes and real files (no process group needed)."""
 
 from __future__ import annotations
 
 import errno
 import multiprocessing
 import os
+import resource
 
 import pytest
 import torch
 
-from distload.transfer.node_pull import WINDOW_BYTES, ProgressBoard, windows_of
-from distload.transfer.pull import FileMaps, pull_rows, why_not_usable
+from distload.checkpoint import RangeReader
+from distload.plan import Source
+from distload.shard import Piece
+from distload.transfer.file_copy import copy_piece
+from distload.transfer.pull import borrow_fd, make_room_for_descriptors, why_not_usable
 
-pytestmark = pytest.mark.skipif(why_not_usable() is not None, reason=f"no pulls here: {why_not_usable()}")
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+needs_pulls = pytest.mark.skipif(why_not_usable() is not None, reason=f"no pulls here: {why_not_usable()}")
 
 
-def test_pull_rows_strided_both_sides_and_more_rows_than_one_call_takes():
-    src = torch.arange(3000 * 40, dtype=torch.int32).view(torch.uint8).view(3000, 160)
-    # 2500 rows (three calls of at most 1024 segments), bytes 24..88 of each source row ...
-    dst_full = torch.zeros(2600, 100, dtype=torch.uint8)
-    dst = dst_full[50:2550, 10:74]  # ... into a strided region of another tensor
-    pull_rows(os.getpid(), src.data_ptr() + 300 * 160 + 24, 160, dst)
-    assert torch.equal(dst, src[300:2800, 24:88])
-    assert not dst_full[:50].any() and not dst_full[2550:].any() and not dst_full[:, :10].any() and not dst_full[:, 74:].any()
-    # contiguous at both ends: one range
-    flat = torch.empty(10, 160, dtype=torch.uint8)
-    pull_rows(os.getpid(), src.data_ptr() + 7 * 160, 160, flat)
-    assert torch.equal(flat, src[7:17])
+def _lend(path: str, conn) -> None:
+    """A process that opens a file, says which descriptor it holds and its pid, and waits to be told to go."""
+    fd = os.open(path, os.O_RDONLY)
+    conn.send((os.getpid(), fd))
+    conn.recv()
 
 
-def test_pull_rows_errors_name_the_cause():
-    dst = torch.empty(4, 8, dtype=torch.uint8)
-    with pytest.raises(OSError) as bad_address:
-        pull_rows(os.getpid(), 8, 8, dst)  # nothing is mapped at address 8
-    assert bad_address.value.errno == errno.EFAULT
-    proc = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+@needs_pulls
+def test_a_borrowed_descriptor_is_the_lenders_open_file_and_outlives_the_lender(tmp_path):
+    data = os.urandom(3 << 20)
+    (tmp_path / "w.safetensors").write_bytes(data)
+    ctx = multiprocessing.get_context("spawn")  # a process of its own, as a reader rank is
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_lend, args=(str(tmp_path / "w.safetensors"), theirs))
     proc.start()
-    proc.join()
+    try:
+        pid, fd = ours.recv()
+        mine = borrow_fd(pid, fd)
+        with pytest.raises(OSError) as no_such:
+            borrow_fd(pid, 999)  # the lender holds no descriptor 999
+        assert no_such.value.errno == errno.EBADF
+    finally:
+        ours.send("go")
+        proc.join()
+    try:
+        # the lender has exited; the duplicate still reads the file
+        assert os.fstat(mine).st_ino == os.stat(tmp_path / "w.safetensors").st_ino
+        assert os.pread(mine, 100, (2 << 20) + 7) == data[(2 << 20) + 7:(2 << 20) + 107]
+    finally:
+        os.close(mine)
     with pytest.raises(OSError) as gone:
-        pull_rows(proc.pid, dst.data_ptr(), 8, torch.empty(4, 8, dtype=torch.uint8))
+        borrow_fd(pid, fd)
     assert gone.value.errno == errno.ESRCH
 
 
-def _pull_from_parent(pid: int, address: int, nbytes: int, queue) -> None:
-    out = torch.empty(1, nbytes, dtype=torch.uint8)
-    pull_rows(pid, address, nbytes, out)
-    queue.put(bytes(out.numpy()))
-
-
-def test_another_process_pulls_from_a_files_map_and_dropping_it_frees_the_rss(tmp_path):
-    data = os.urandom(64 << 20)
-    path = tmp_path / "weights.bin"
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
-    maps = FileMaps()
+def test_a_reader_reads_through_an_adopted_descriptor_without_opening_the_path(tmp_path):
+    data = os.urandom(1 << 20)
+    (tmp_path / "a.safetensors").write_bytes(data)
+    lender = RangeReader(str(tmp_path))
+    borrower = RangeReader(str(tmp_path))
     try:
-        address = maps.address(fd, 0)
-        ctx = multiprocessing.get_context("spawn")  # a process of its own, not a fork sharing our pages
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_pull_from_parent, args=(os.getpid(), address + 4096 + 3, 1 << 20, queue))
-        proc.start()
-        got = queue.get(timeout=60)
-        proc.join()
-        assert got == data[4096 + 3:4096 + 3 + (1 << 20)]
-        # the pages another process pulled, and the ones this one touches, are in this RSS until dropped
-        before = _rss_kib()
-        first_bytes = torch.empty((64 << 20) // 4096, 1, dtype=torch.uint8)
-        pull_rows(os.getpid(), address, 4096, first_bytes)  # touch every page
-        touched = _rss_kib()
-        maps.drop(fd, 0, 64 << 20)
-        dropped = _rss_kib()
-        assert bytes(first_bytes.view(-1).numpy()) == data[::4096]
-        assert touched - before > 48 << 10, (before, touched)
-        assert touched - dropped > 48 << 10, (touched, dropped)
-        again = torch.empty(1, 7, dtype=torch.uint8)
-        pull_rows(os.getpid(), address + 5, 7, again)   # still readable after a drop: faulted in again
-        assert bytes(again.view(-1).numpy()) == data[5:12]
+        lenders_own = lender.fd_of("a.safetensors")
+        borrower.adopt("a.safetensors", lender.open_again("a.safetensors"))
+        (tmp_path / "a.safetensors").rename(tmp_path / "moved")  # the path is gone: only the descriptor reads
+        out = torch.empty(4096, dtype=torch.uint8)
+        assert borrower.read_into("a.safetensors", 12345, out, tally=False) == 4096
+        assert bytes(out.numpy()) == data[12345:12345 + 4096]
+        assert borrower.files_opened == set() and borrower.bytes_read == 0
+        # open_again is another open file than the lender's own one (its own position and read-ahead)
+        assert borrower.fd_of("a.safetensors") != lenders_own
     finally:
-        maps.close()
-        os.close(fd)
+        borrower.close()
+        lender.close()
 
 
-def _count_on_board(pid: int, fd: int, rank: int, queue) -> None:
-    board = ProgressBoard(3, fd=fd, pid=pid)
-    board.announce(rank)
-    board.set(rank, 7)
-    queue.put(board.slowest())
+def _source(path, rows: int, cols: int, offset: int = 24) -> Source:
+    return Source(name="w", file=path.name, offset=offset, dtype="BF16", shape=(rows, cols), deliveries=(),
+                  broadcast=False)
 
 
-def test_progress_board_is_shared_and_knows_a_dead_rank():
-    board = ProgressBoard(3)
+def test_copy_piece_takes_whole_rows_and_row_parallel_columns_from_the_file(tmp_path):
+    full = torch.randn(96, 80).to(torch.bfloat16)
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(b"h" * 24 + full.view(torch.uint8).numpy().tobytes() + b"tail")
+    src = _source(path, 96, 80)
+    files = RangeReader(str(tmp_path))
     try:
-        board.announce(0)
-        board.set(0, 9)
-        board.set(2, 8)
-        ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_count_on_board, args=(os.getpid(), board.own_fd, 1, queue))
-        proc.start()
-        assert queue.get(timeout=60) == (7, 1)   # it sees ours; we see its count below
-        proc.join()
-        assert board.slowest() == (7, 1)
-        assert not board.gone(0) and not board.gone(2)   # rank 2 never announced: unknown is alive
-        assert board.gone(1)                             # rank 1's process has exited
+        # column-parallel: rows 32..64 into rows 0..32 of a param
+        rows = torch.zeros(32, 80, dtype=torch.bfloat16)
+        assert copy_piece(files, src, rows, Piece(source="w", rows=(32, 64), cols=(0, 80), dst_row=0, dst_col=0)) == 32 * 80 * 2
+        assert torch.equal(rows, full[32:64])
+        # row-parallel: columns 20..40 of every row, strided in the file, into a strided region of the param
+        cols = torch.zeros(96, 30, dtype=torch.bfloat16)
+        assert copy_piece(files, src, cols, Piece(source="w", rows=(0, 96), cols=(20, 40), dst_row=0, dst_col=5)) == 96 * 20 * 2
+        assert torch.equal(cols[:, 5:25], full[:, 20:40]) and not cols[:, :5].any() and not cols[:, 25:].any()
+        # a param of another dtype: converted while copied
+        wide = torch.zeros(32, 80, dtype=torch.float64)
+        copy_piece(files, src, wide, Piece(source="w", rows=(0, 32), cols=(0, 80), dst_row=0, dst_col=0))
+        assert torch.equal(wide, full[:32].double())
+        assert files.bytes_read == 0  # callers count (node pulls count the reader's buckets once)
     finally:
-        board.close()
+        files.close()
 
 
-def test_windows_group_one_readers_consecutive_buckets():
-    from types import SimpleNamespace as NS
-
-    w = WINDOW_BYTES
-    buckets = [NS(reader=r, read_bytes=n) for r, n in [(0, w * 5 // 8), (0, w * 5 // 8), (1, 1), (0, 2 * w), (0, 1)]]
-    plan = NS(buckets=buckets, checkpoint_bytes=sum(b.read_bytes for b in buckets))
-    windows = windows_of(plan)
-    assert [(reader, len(bs)) for reader, bs in windows] == [(0, 2), (1, 1), (0, 1), (0, 1)]
+def test_room_for_descriptors_raises_the_soft_limit_only_as_far_as_the_hard_one():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        make_room_for_descriptors(10)  # fits: nothing changes
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
+        if hard != resource.RLIM_INFINITY and hard > soft + 200:
+            make_room_for_descriptors(soft)  # does not fit under soft, fits under hard
+            assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > soft
+        if hard != resource.RLIM_INFINITY:
+            with pytest.raises(OSError, match="ulimit -n"):
+                make_room_for_descriptors(hard + 1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

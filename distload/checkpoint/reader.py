@@ -87,6 +87,20 @@ class RangeReader:
         """This reader's descriptor of a safetensors file (opened on first use, closed by close())."""
         return self._fd(entry_file)
 
+    def open_again(self, entry_file: str) -> int:
+        """Another descriptor of a safetensors file, with its own file position and read-ahead state,
+        owned by the caller (node_pull.py lends one to each rank of the node)."""
+        return self._open(entry_file)
+
+    def adopt(self, entry_file: str, fd: int) -> None:
+        """Read `entry_file` through `fd`, an open descriptor of it that this reader now owns (one borrowed
+        from the node's reader process: transfer/pull.py); the path is not opened. Not with O_DIRECT."""
+        with self._lock:
+            old = self._fds.get(entry_file)
+            if old is not None:
+                os.close(old)
+            self._fds[entry_file] = fd
+
     def count_read(self, nbytes: int) -> None:
         """Count bytes this reader's caller copied out of a file another way (a map of it)."""
         with self._lock:
@@ -153,7 +167,7 @@ class RangeReader:
             raise CheckpointError(f"{self.root}: cannot open {rel!r}: {e}") from e
         # Readers go through a file front to back (buckets are in file order): a doubled readahead window
         # keeps the disk busy with large requests. Measured cold on this VM (1 GiB, one process): 1.6 GB/s
-        # instead of 0.85-1.0. Ranks pulling through a map of this file fault through the same window.
+        # instead of 0.85-1.0.
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return fd

@@ -7,7 +7,7 @@ only the bytes it keeps — and receivers copy the pieces into their preallocate
 ranks on a reader's node take their pieces straight out of its shared-memory read buffers instead (only a
 token and a reply per bucket travel): sharded bytes never cross a socket within a node. When the whole
 job is one node and params are host memory, there are no buckets on the wire at all: every rank copies
-its pieces straight out of its reader's map of the files (node_pull.py, pull.py): one copy per byte.
+its pieces straight from the files its reader opened (node_pull.py, pull.py): one copy per byte.
 
 Everything on the wire is raw bytes in contiguous uint8 buffers: gloo cannot send float8 and silently
 corrupts non-contiguous tensors (it sends the storage's first bytes), while `view(torch.uint8)` of a

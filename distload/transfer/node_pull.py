@@ -1,115 +1,45 @@
-"""One node, host params: every rank copies its pieces straight out of its reader's map of the files.
+"""One node, host params: every rank copies its pieces straight out of the files its reader opened.
 
 When the whole job is one node, the page cache is shared by all its processes, and what a load costs is
 copies and hand-offs, not storage reads. The bucketed transfer (engine.py) costs a rank two copies
 (file -> the reader's shared slot -> its param) and two messages per bucket. Here:
 
-- each reader maps the files it reads (mapping reads nothing) and broadcasts where the maps are;
-- every rank, the readers included, copies each of its pieces once, from the reader's map into its
-  param, with `process_vm_readv` (pull.py): the kernel reads the pages from the page cache (from the disk
-  the first time: still once per node), and a row-parallel piece is one call with one segment per row;
-- the ranks go through the readers' buckets in plan order, a window (~8 MiB) at a time, and count the
-  windows they finished on a progress board in shared memory; a reader drops its page-table entries for
-  a window once every rank is past it (the pages stay in the page cache), and no rank runs more than
-  LEAD windows ahead of the slowest, so what the ranks pulled through a reader's map never piles up in
-  its RSS. No message per bucket: waiting ranks poll the board, and tell a dead rank (its process gone)
-  or a silent one (no progress for the process group's timeout) from a slow one.
+- each reader opens the files it reads and broadcasts which descriptors it holds; every other rank takes
+  duplicates of them (pull.py: the same open files, the paths are not opened again), and all ranks agree
+  that they could before anyone copies;
+- every rank, the readers included, copies each of its pieces once, from the file into its param
+  (file_copy.py: one `preadv` per piece of whole rows, one strided copy out of a transient map for
+  row-parallel columns), in plan order, so the ranks walk the files together and the kernel reads each
+  page from storage once (cold) for all of them;
+- nobody waits for anybody until the phase's agreement step, where a failed, killed or hung rank is
+  found as on every other path.
 
 Only the readers open weight files, and each byte of the checkpoint is read from storage once. Used when
 every rank is on one node, params are host memory and the files are safetensors read as they are (no
-post-load steps); the readers decide whether they can serve pulls (pull.py says when not) and tell every
-rank in the same broadcast, so a job where they cannot takes the bucketed path on every rank.
+post-load steps); the readers decide whether they can lend their files (pull.py says when not) and tell
+every rank in the same broadcast, so a job where they cannot takes the bucketed path on every rank.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import faults, host_memory
-from ..dtypes import torch_dtype
+from .. import faults
+from ..checkpoint import RangeReader
 from ..errors import DistloadError
 from ..plan import Bucket, LoadPlan
 from .agreement import LostPeer
-from .buffers import TransferStats, map_peer_fd, piece_bytes, shared_memfd, write_piece
-from .pull import AllowPulls, FileMaps, pull_rows, why_not_usable
+from .buffers import TransferStats
+from .file_copy import copy_piece
+from .pull import AllowPulls, borrow_fd, make_room_for_descriptors, why_not_usable
 
 log = logging.getLogger("distload")
 
-# The readers' page-table entries for what the ranks pulled through their maps are dropped a window at a
-# time, once every rank is past it; a rank never runs more than LEAD windows ahead of the slowest, so a
-# reader's RSS holds at most about (LEAD + 1) windows of the files.
-WINDOW_BYTES = 8 << 20
-MAX_WINDOWS = 4096
-LEAD = 4
-_TABLE_HEAD = 3   # usable, pid, progress board fd
-_SLOT = 8   # int64 per rank on the progress board: one cache line each
-_POLL_S = 0.0002
-_POLL_MAX_S = 0.005
-_ALIVE_CHECK_S = 0.05
-
-
-def windows_of(plan: LoadPlan) -> list[tuple[int, list[Bucket]]]:
-    """(reader, buckets): runs of consecutive buckets of one reader, each about WINDOW_BYTES or more."""
-    size = max(WINDOW_BYTES, plan.checkpoint_bytes // MAX_WINDOWS)
-    out: list[tuple[int, list[Bucket]]] = []
-    filled = 0
-    for bucket in plan.buckets:
-        if not out or out[-1][0] != bucket.reader or filled >= size:
-            out.append((bucket.reader, []))
-            filled = 0
-        out[-1][1].append(bucket)
-        filled += bucket.read_bytes
-    return out
-
-
-class ProgressBoard:
-    """How many windows each rank of the node has copied: one int64 per rank in a memfd that the first
-    reader makes and every rank maps (through /proc/<pid>/fd, as the shared slots are). Ranks only ever
-    store their own count and load the others'; a stale load only delays a drop or a step."""
-
-    def __init__(self, world: int, fd: int | None = None, pid: int | None = None):
-        self.world, self.own_fd = world, None
-        if fd is None:
-            self.own_fd, self.map = shared_memfd("distload-progress", world * _SLOT * 8)
-        else:
-            self.map = map_peer_fd(pid, fd)
-        board = np.frombuffer(self.map, dtype=np.int64)
-        self.counts, self.pids = board[::_SLOT], board[1::_SLOT]
-
-    def set(self, rank: int, windows: int) -> None:
-        self.counts[rank] = windows
-
-    def announce(self, rank: int) -> None:
-        """Publish this process's pid, so that ranks waiting for it can tell a dead rank from a slow one."""
-        self.pids[rank] = os.getpid()
-
-    def gone(self, rank: int) -> bool:
-        """Has that rank's process exited (or been killed)? Unknown (not yet announced) counts as alive."""
-        pid = int(self.pids[rank])
-        if pid <= 0:
-            return False
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return True
-        return state in ("Z", "X")  # a zombie is dead: killed, not yet reaped by its launcher
-
-    def slowest(self) -> tuple[int, int]:
-        """(windows done by the slowest rank, that rank)."""
-        rank = int(self.counts.argmin())
-        return int(self.counts[rank]), rank
-
-    def close(self) -> None:
-        if self.own_fd is not None:
-            os.close(self.own_fd)
-            self.own_fd = None
+_TABLE_HEAD = 2   # usable, pid
 
 
 def _others_bytes(bucket: Bucket, world: int) -> int:
@@ -120,100 +50,125 @@ def _others_bytes(bucket: Bucket, world: int) -> int:
 
 
 class NodePulls:
-    """Fills this rank's params by pulling from the readers' maps; `run()` returns TransferStats, or None
-    on every rank when a reader cannot serve pulls (then the caller runs the bucketed transfer)."""
+    """Fills this rank's params from its readers' open files; `run()` returns TransferStats, or None on
+    every rank when a reader cannot lend its files (then the caller runs the bucketed transfer)."""
 
-    def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader=None,
+    def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader: RangeReader,
                  timeout_s: float = 600.0):
+        """reader: this rank's (every rank has one: a reader opens its files with it, the others read
+        through it with the descriptors they borrow; the caller closes it after the phase's agreement)."""
         self.plan, self.rank, self.params, self.reader = plan, rank, params, reader
         self.timeout_s = timeout_s
         self.stats = TransferStats(path="node-pulls")
         self.error: BaseException | None = None  # reported at the phase's agreement step
         self.files = sorted({src.file for src in plan.sources.values()})
         self._file_index = {f: i for i, f in enumerate(self.files)}
-        self._maps: FileMaps | None = None
-        self._board: ProgressBoard | None = None
+        self._lent: list[int] = []  # descriptors this reader opened for the other ranks to borrow
 
-    # -- where each reader's maps are -----------------------------------------------------------------
+    # -- which descriptors each reader holds ---------------------------------------------------------
 
-    def _my_table(self, first: bool) -> torch.Tensor:
-        """[usable, pid, progress board fd (the first reader's), address of each file's map (0: not read
-        here)], as this reader broadcasts it."""
-        table = torch.zeros(_TABLE_HEAD + len(self.files), dtype=torch.int64)
+    def _my_table(self) -> torch.Tensor:
+        """[usable, pid, then per rank the descriptor this reader lends it for each file it reads (-1: not
+        read here), then each file's inode number], as this reader broadcasts it. Every rank gets its own
+        descriptor (its own open file: file position and read-ahead state), opened here: ranks sharing
+        one open file interleave their reads through one read-ahead window, which cost them twice the
+        CPU per byte read cold on this VM (0.10-0.13 CPU-s per rank for 1 GiB vs 0.05-0.07)."""
+        n, world = len(self.files), self.plan.layout.world
+        table = torch.full((_TABLE_HEAD + n * (world + 1),), -1, dtype=torch.int64)
+        table[0] = 0
         why = why_not_usable()
-        if why is None and os.environ.get("DISTLOAD_SHM", "1") == "0":
-            why = "DISTLOAD_SHM=0: no memory shared between ranks"
         if why is None and self.reader.strategy == "odirect":
             why = "the reader reads with O_DIRECT, around the page cache"
         if why is not None:
-            log.info("pulls from the reader's map: not here (%s); using the bucketed transfer", why)
+            log.info("pulls from the reader's files: not here (%s); using the bucketed transfer", why)
             return table
+        mine = sorted({self.plan.sources[c.source].file for b in self.plan.buckets if b.reader == self.rank
+                       for c in b.chunks})
         try:
-            self._maps = FileMaps()
-            mine = {self.plan.sources[c.source].file for b in self.plan.buckets if b.reader == self.rank for c in b.chunks}
+            make_room_for_descriptors(len(mine) * world)
             for f in mine:
-                table[_TABLE_HEAD + self._file_index[f]] = self._maps.address(self.reader.fd_of(f), 0)
-            if first:
-                self._board = ProgressBoard(self.plan.layout.world)
-                table[2] = self._board.own_fd
-        except Exception as exc:  # cannot map: say so; every rank then takes the bucketed path
-            log.info("pulls from the reader's map: cannot map the files (%s); using the bucketed transfer", exc)
-            table.zero_()
+                i = self._file_index[f]
+                own = self.reader.fd_of(f)
+                table[_TABLE_HEAD + n * world + i] = os.fstat(own).st_ino
+                for r in range(world):
+                    if r == self.rank:
+                        table[_TABLE_HEAD + n * r + i] = own
+                    else:
+                        self._lent.append(self.reader.open_again(f))
+                        table[_TABLE_HEAD + n * r + i] = self._lent[-1]
+        except (OSError, DistloadError) as exc:  # out of descriptors, say: every rank takes the bucketed path
+            log.info("pulls from the reader's files: cannot open them for every rank (%s); using the bucketed "
+                     "transfer", exc)
+            self._close_lent()
+            table[0] = 0
             return table
         table[0], table[1] = 1, os.getpid()
         return table
 
-    def _tables(self) -> dict[int, tuple[int, list[int]]] | None:
-        """Every reader's (pid, file addresses), the same on every rank; None if any reader cannot serve."""
+    def _tables(self) -> dict[int, tuple[int, list[int], list[int]]] | None:
+        """Every reader's (pid, the descriptors it lends this rank, inode numbers), the same on every rank;
+        None if any reader cannot lend."""
+        n, world = len(self.files), self.plan.layout.world
         tables, usable = {}, True
-        readers = sorted({b.reader for b in self.plan.buckets})
-        for r in readers:
-            table = (self._my_table(first=r == readers[0]) if r == self.rank
-                     else torch.zeros(_TABLE_HEAD + len(self.files), dtype=torch.int64))
+        for r in sorted({b.reader for b in self.plan.buckets}):
+            table = (self._my_table() if r == self.rank
+                     else torch.zeros(_TABLE_HEAD + n * (world + 1), dtype=torch.int64))
             try:
                 dist.broadcast(table, src=r)
             except Exception as exc:
-                raise LostPeer(f"receiving the map addresses of reader rank {r}", exc) from exc
-            ok, pid, board_fd, *addresses = (int(x) for x in table)
-            usable = usable and bool(ok)  # every rank sees every table: all decide alike
-            tables[r] = (pid, addresses)
-            if r == readers[0] and ok and self._board is None:
-                self._board = ProgressBoard(self.plan.layout.world, fd=board_fd, pid=pid)
+                raise LostPeer(f"receiving the file descriptors of reader rank {r}", exc) from exc
+            values = [int(x) for x in table]
+            usable = usable and bool(values[0])  # every rank sees every table: all decide alike
+            at = _TABLE_HEAD + n * self.rank
+            tables[r] = (values[1], values[at:at + n], values[_TABLE_HEAD + n * world:])
         return tables if usable else None
 
-    # -- the copies --------------------------------------------------------------------------------
+    def _borrow(self, tables: dict[int, tuple[int, list[int], list[int]]]) -> str | None:
+        """Give this rank's reader duplicates of the descriptors lent to it for the files it copies from
+        and does not read itself; returns why it could not (None: it could)."""
+        own = {self.plan.sources[c.source].file for b in self.plan.buckets if b.reader == self.rank for c in b.chunks}
+        wanted = {}
+        for bucket in self.plan.buckets:
+            if bucket.reader != self.rank and self.plan.items(bucket, self.rank):
+                for chunk in bucket.chunks:
+                    f = self.plan.sources[chunk.source].file
+                    if f not in own:
+                        wanted.setdefault(f, bucket.reader)
+        for f, r in sorted(wanted.items()):
+            pid, fds, inodes = tables[r]
+            i = self._file_index[f]
+            try:
+                fd = borrow_fd(pid, fds[i])
+            except OSError as exc:
+                return f"rank {self.rank} could not take reader rank {r}'s descriptor of {f}: {exc}"
+            self.reader.adopt(f, fd)
+            # Process ids are per pid namespace: ranks in separate containers on one host may see another
+            # process under the reader's pid. Never read a file other than the one the reader opened.
+            if os.fstat(fd).st_ino != inodes[i]:
+                return (f"rank {self.rank}: process {pid} is not reader rank {r} here (its descriptor {fds[i]} is "
+                        f"another file than {f}): the ranks do not share a process id namespace")
+        return None
 
-    def _pull_bucket(self, bucket: Bucket, pid: int, addresses: list[int]) -> None:
+    def _close_lent(self) -> None:
+        """The reader's copies of what it lent (each rank holds its own duplicate by now)."""
+        lent, self._lent = self._lent, []
+        for fd in lent:
+            os.close(fd)
+
+    # -- the copies ----------------------------------------------------------------------------------
+
+    def _copy_bucket(self, bucket: Bucket) -> None:
         for item in self.plan.items(bucket, self.rank):
             src = self.plan.sources[item.chunk.source]
-            isz = torch_dtype(src.dtype).itemsize
-            piece = item.piece
-            rows, seg = piece.rows[1] - piece.rows[0], (piece.cols[1] - piece.cols[0]) * isz
-            remote = (addresses[self._file_index[src.file]] + src.offset + piece.rows[0] * src.row_bytes
-                      + piece.cols[0] * isz)
-            dst = self.params[item.param]
-            as_is = dst.dtype == torch_dtype(src.dtype)
-            block = piece_bytes(dst, piece) if as_is else torch.empty((rows, seg), dtype=torch.uint8)
-            if as_is:
-                host_memory.populate(block)
             try:
-                if bucket.reader == self.rank and block.is_contiguous() and seg == src.row_bytes:
-                    # Its own whole rows, a reader reads straight into the param: nothing comes into its map.
-                    self.reader.read_into(src.file, src.offset + piece.rows[0] * src.row_bytes, block.view(-1),
-                                          tally=False)
-                else:
-                    pull_rows(pid, remote, src.row_bytes, block)
+                copied = copy_piece(self.reader, src, self.params[item.param], item.piece)
             except OSError as exc:
                 raise DistloadError(
-                    f"rank {self.rank} could not copy {item.param} (from {src.name} in {src.file}) out of reader "
-                    f"rank {bucket.reader}'s map of it (process {pid}): {exc}. On one node ranks copy their pieces "
-                    "out of their reader's memory (process_vm_readv: same user, Yama ptrace_scope <= 1); set "
-                    "DISTLOAD_PULL=0 to use the bucketed transfer instead") from exc
-            if not as_is:  # the caller's module has another dtype: pulled into scratch, converted into it
-                write_piece(dst, piece, block, torch_dtype(src.dtype))
-            self.stats.record(item.param, piece)
+                    f"rank {self.rank} could not copy {item.param} (from {src.name} in {src.file}, through reader "
+                    f"rank {bucket.reader}'s open file): {exc}") from exc
+            self.stats.record(item.param, item.piece)
             if bucket.reader != self.rank:
-                self.stats.bytes_received += rows * seg
+                self.stats.bytes_received += copied
 
     def run(self) -> TransferStats | None:
         world = self.plan.layout.world
@@ -222,84 +177,33 @@ class NodePulls:
             tables = self._tables()
             if tables is None:
                 return None
-            windows = windows_of(self.plan)
-            board = self._board
-            if board is None:  # nothing to read at all
-                return self.stats
-            board.announce(self.rank)
-            dropped = 0  # this reader's windows before this one are out of its RSS
-            for w, (reader, buckets) in enumerate(windows):
-                if self.error is None:
-                    try:
-                        dropped = self._wait_for_slowest(w - LEAD, windows, dropped)
-                        for bucket in buckets:
-                            faults.hit("transfer")  # test hook (DISTLOAD_FAULT), a no-op otherwise
-                            self._pull_bucket(bucket, *tables[reader])
-                            self.stats.buckets += 1
-                    except LostPeer:
-                        raise
-                    except Exception as exc:  # keep going (counting): the agreement step reports it
-                        self.error = exc
-                board.set(self.rank, w + 1)
-                if reader == self.rank:  # the job reads these bytes once: through this reader's maps
-                    read = sum(b.read_bytes for b in buckets)
-                    self.stats.bytes_read += read
-                    self.reader.count_read(read)
-                    self.stats.bytes_sent += sum(_others_bytes(b, world) for b in buckets)
-                dropped = self._drop_done(windows, dropped)
-            if any(reader == self.rank for reader, _ in windows):  # keep the maps until every rank is done
-                self._wait_for_slowest(len(windows), windows, dropped)
-            return self.stats
-        except BaseException:
-            if self._board is not None:  # nobody waits for a rank that has stopped
-                self._board.set(self.rank, 1 << 62)
-            raise
+            why = self._borrow(tables)
+            # Everyone must have its descriptors before a reader stops allowing it, and a rank that could
+            # not take them makes every rank take the bucketed path.
+            failed = torch.tensor([0 if why is None else 1], dtype=torch.int64)
+            try:
+                dist.all_reduce(failed)
+            except Exception as exc:
+                raise LostPeer("agreeing that every rank has its readers' files", exc) from exc
+            if failed.item():
+                if why is not None:
+                    log.warning("pulls from the reader's files: %s; every rank takes the bucketed transfer", why)
+                return None
         finally:
             if allow is not None:
                 allow.close()
-            if self._maps is not None:
-                self._maps.close()
-            if self._board is not None:
-                self._board.close()
+            self._close_lent()
+        for bucket in self.plan.buckets:
+            if self.error is None:
+                try:
+                    faults.hit("transfer")  # test hook (DISTLOAD_FAULT), a no-op otherwise
+                    self._copy_bucket(bucket)
+                    self.stats.buckets += 1
+                except Exception as exc:  # keep counting: the agreement step reports it
+                    self.error = exc
+            if bucket.reader == self.rank:  # the job reads these bytes once: through this reader's files
+                self.stats.bytes_read += bucket.read_bytes
+                self.reader.count_read(bucket.read_bytes)
+                self.stats.bytes_sent += _others_bytes(bucket, world)
+        return self.stats
 
-    def _wait_for_slowest(self, windows_done: int, windows, dropped: int) -> int:
-        """Until every rank has copied `windows_done` windows; a reader drops what they finish meanwhile.
-        Fails if the slowest rank makes no progress for the process group's timeout. Returns `dropped`."""
-        seen, since, checked, nap = None, time.monotonic(), time.monotonic(), _POLL_S
-        while True:
-            dropped = self._drop_done(windows, dropped)
-            slowest, rank = self._board.slowest()
-            if slowest >= windows_done:
-                return dropped
-            if slowest != seen:
-                seen, since, checked, nap = slowest, time.monotonic(), time.monotonic(), _POLL_S
-            elif time.monotonic() - checked > _ALIVE_CHECK_S:
-                checked = time.monotonic()
-                if self._board.gone(rank):
-                    raise LostPeer(f"waiting for rank {rank} to copy its pieces (it has done {slowest} of "
-                                   f"{windows_done} windows)", ProcessLookupError(f"rank {rank}'s process is gone"))
-            if time.monotonic() - since > self.timeout_s:
-                raise LostPeer(f"waiting for rank {rank} to copy its pieces (it has done {slowest} of "
-                               f"{windows_done} windows)", TimeoutError(f"no progress in {self.timeout_s:.0f} s"))
-            time.sleep(nap)
-            nap = min(nap * 2, _POLL_MAX_S)  # a long wait (a slow disk) costs no CPU to speak of
-
-    def _drop_done(self, windows, dropped: int) -> int:
-        """Drop this reader's windows that every rank has copied; returns the first window not dropped."""
-        if self._maps is None:
-            return dropped
-        slowest, _ = self._board.slowest()
-        while dropped < min(slowest, len(windows)):
-            reader, buckets = windows[dropped]
-            if reader == self.rank:
-                self._drop(buckets)
-            dropped += 1
-        return dropped
-
-    def _drop(self, buckets: list[Bucket]) -> None:
-        """Forget this reader's page-table entries for the buckets' bytes (their pages stay cached)."""
-        for bucket in buckets:
-            for chunk in bucket.chunks:
-                src = self.plan.sources[chunk.source]
-                self._maps.drop(self.reader.fd_of(src.file), src.offset + chunk.rows[0] * src.row_bytes,
-                                (chunk.rows[1] - chunk.rows[0]) * src.row_bytes)
