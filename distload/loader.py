@@ -169,18 +169,17 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
         written = _phase("postprocess", lambda: post.finish(transfer.stats.written))
         clock.lap("postprocess")
 
-    verdict = _phase("reconcile", lambda: reconcile(plan, rank, params, written, strict=strict))
-    clock.lap("reconcile")
-    if check_finite:
-        _check_finite(params, specs)
-        clock.lap("check-finite")
-
     record = rank_record(rank, transfer.stats, reader, topo.device)
     if verify_checksums:
         record["checksum_files_verified"] = len(files_for_reader(index.files, topo.layout.readers, rank))
     if post is not None:
         record.update(post.report())
-    per_rank = all_gather_objects(record)
+    verdict = _phase("reconcile", lambda: reconcile(plan, rank, params, written, strict=strict, report_record=record))
+    clock.lap("reconcile")
+    if check_finite:
+        _check_finite(params, specs)
+        clock.lap("check-finite")
+    per_rank = verdict.rank_reports
     result_report = build_report(plan, per_rank, clock.as_dict(), verdict, source=str(index.root),
                                  extra={"quantization": plan.quantization})
     result = LoadResult(params=params, specs=specs, report=result_report, plan=plan, verdict=verdict,

@@ -51,6 +51,7 @@ class Verdict:
     never_written: list[str] = field(default_factory=list)
     replicas_differ: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    rank_reports: list = field(default_factory=list)  # each rank's `report_record`, by rank (see reconcile)
 
     def summary(self) -> str:
         parts = []
@@ -62,9 +63,10 @@ class Verdict:
         return "; ".join(parts) if parts else "every param loaded exactly once"
 
 
-def local_record(specs: dict, params: dict[str, torch.Tensor], written: dict, fingerprint) -> dict:
-    """This rank's compact record: its problems and the fingerprints of its replicated params."""
-    twice, never, fps = [], [], {}
+def local_record(specs: dict, params: dict[str, torch.Tensor], written: dict, fingerprints) -> dict:
+    """This rank's compact record: its problems and the fingerprints of its replicated params
+    (`fingerprints`: tensors -> their fingerprints, kernels.fingerprints)."""
+    twice, never, replicated = [], [], []
     for name, spec in sorted(specs.items()):
         if spec.alias_of:
             if params.get(name) is not params.get(spec.alias_of):
@@ -77,19 +79,26 @@ def local_record(specs: dict, params: dict[str, torch.Tensor], written: dict, fi
         if covered != rows * cols:
             never.append(f"{name} ({rows * cols - covered} of {rows * cols} elements)")
         if spec.style == "replicate":
-            fps[name] = tuple(int(x) for x in fingerprint(params[name]).tolist())
+            replicated.append(name)
+    fps = {name: tuple(int(x) for x in fp.tolist())
+           for name, fp in zip(replicated, fingerprints([params[n] for n in replicated]))}
     extra = sorted(set(params) - set(specs))
     return {"params": len(specs), "twice": twice, "never": never, "fingerprints": fps, "undeclared": extra}
 
 
 def reconcile(plan, rank: int, params: dict[str, torch.Tensor], written: dict, strict: bool = True,
-              fingerprint=None) -> Verdict:
-    """Gather every rank's record and decide, identically everywhere; raise when strict and not ok."""
-    if fingerprint is None:
-        from .kernels import fingerprint
-    records = all_gather_objects(local_record(plan.specs[rank], params, written, fingerprint))
+              fingerprints=None, report_record: dict | None = None) -> Verdict:
+    """Gather every rank's record and decide, identically everywhere; raise when strict and not ok.
+    report_record: what this rank puts in the load report (report.rank_record), carried by the same
+    all-gather (one collective less per load: each one waits for the slowest rank); every rank's comes
+    back in the verdict's rank_reports."""
+    if fingerprints is None:
+        from .kernels import fingerprints
+    mine = local_record(plan.specs[rank], params, written, fingerprints)
+    records = all_gather_objects({**mine, "report": report_record})
     v = Verdict(ok=True, params=sum(r["params"] for r in records),
-                missing=list(plan.missing), unexpected=list(plan.unexpected))
+                missing=list(plan.missing), unexpected=list(plan.unexpected),
+                rank_reports=[r["report"] for r in records])
     for r, rec in enumerate(records):
         v.written_twice += [f"rank {r}: {x}" for x in rec["twice"]]
         v.never_written += [f"rank {r}: {x}" for x in rec["never"]]

@@ -7,7 +7,7 @@ runs under torch.no_grad(): they rewrite or read loaded params, never part of a 
 """
 
 from .backend import HAVE_TRITON, use_triton
-from .fingerprint import fingerprint, fingerprint_reference
+from .fingerprint import fingerprint, fingerprint_reference, fingerprints
 from .fp8 import (
     dequantize_fp8_per_tensor,
     dequantize_fp8_per_tensor_reference,
@@ -35,6 +35,7 @@ __all__ = [
     "dequantize_fp8_per_tensor",
     "dequantize_fp8_per_tensor_reference",
     "fingerprint",
+    "fingerprints",
     "fingerprint_reference",
     "quantize_fp8_block",
     "quantize_fp8_block_reference",

@@ -21,6 +21,7 @@ from distload.kernels import (
     dequantize_fp8_per_tensor_reference,
     fingerprint,
     fingerprint_reference,
+    fingerprints,
     quantize_fp8_block,
     quantize_fp8_block_reference,
     quantize_fp8_per_tensor,
@@ -125,6 +126,24 @@ def test_fingerprint_reference_matches_python_spec(name):
     assert fp.dtype == torch.int64 and fp.shape == (2,) and fp.device.type == "cpu"
     assert fp.tolist() == python_fingerprint(bits(t).numpy().tobytes())
     assert torch.equal(fingerprint(t), fp)  # CPU dispatch is the reference
+
+
+def test_fingerprints_of_many_tensors_are_each_ones_fingerprint():
+    # the batched pass (small CPU tensors of whole words) and the one-by-one path (odd byte counts, empty,
+    # large, strided) in one list, in the caller's order; the words hold both signs and full-range values
+    tensors = [*FINGERPRINT_CASES.values(), torch.randint(-2**31, 2**31 - 1, (4097,), dtype=torch.int32),
+               rand((64, 48), torch.bfloat16)[:, 5:17], rand((300_000,)), rand((2048,), torch.bfloat16)]
+    got = fingerprints(tensors)
+    assert len(got) == len(tensors)
+    for t, fp in zip(tensors, got):
+        assert fp.tolist() == python_fingerprint(bits(t.contiguous()).numpy().tobytes())
+    # the same tensor gives the same value wherever it sits in a batch; one changed bit changes only its own
+    a, b = rand((512,), torch.bfloat16), rand((512,), torch.bfloat16)
+    b2 = b.clone()
+    bits(b2)[100] ^= 1
+    first, second = fingerprints([a, b]), fingerprints([b, a, b2])
+    assert torch.equal(first[0], second[1]) and torch.equal(first[1], second[0])
+    assert not torch.equal(second[2], second[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE, torch.int8, torch.bool, torch.float32])

@@ -310,3 +310,22 @@ def test_owner_reads_expert_parallel_matches_the_default_path(tmp_path):
     path = str(save_checkpoint("mixtral", tmp_path / "mixtral"))
     problems = [p for r in run_ranks(4, _owners_match_default_on_experts, path) for p in r]
     assert not problems, "\n".join(problems)
+
+
+def _gather_records_of_every_size() -> list:
+    import torch.distributed as dist
+
+    from distload.transfer import all_gather_objects
+
+    rank = dist.get_rank()
+    small = all_gather_objects({"rank": rank, "names": [f"p{i}" for i in range(rank)]})
+    # one rank's record does not fit the fixed slot (16 KiB): everyone takes the second, sized round
+    mixed = all_gather_objects(["x" * (40_000 if rank == 1 else 3), rank])
+    return [small, mixed]
+
+
+def test_records_are_gathered_whole_whatever_their_size():
+    results = run_ranks(3, _gather_records_of_every_size)
+    want_small = [{"rank": r, "names": [f"p{i}" for i in range(r)]} for r in range(3)]
+    want_mixed = [["x" * (40_000 if r == 1 else 3), r] for r in range(3)]
+    assert all(r == [want_small, want_mixed] for r in results), results[0]

@@ -79,20 +79,34 @@ def computed_on_rank0(fn):
     return value
 
 
+_OBJECT_SLOT_BYTES = 16 << 10
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's picklable `obj`, in rank order (small records only: all_gather is slow on gloo)."""
     if not active():
         return [obj]
     dev = object_device()
     data = pickle.dumps(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev))
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in sizes]
+    # One all-gather of fixed slots (8 bytes of length, then the record) when every record fits, which
+    # the per-phase records do; a second, sized to the longest, when one does not. Each collective waits
+    # for the slowest rank, so the usual case pays for one.
+    slot = _OBJECT_SLOT_BYTES
+    world = dist.get_world_size()
+    mine = torch.zeros(slot, dtype=torch.uint8, device=dev)
+    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= slot - 8:
+        mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(slot, dtype=torch.uint8, device=dev) for _ in range(world)]
     dist.all_gather(out, mine)
-    return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
+    sizes = [int(o[:8].cpu().view(torch.int64).item()) for o in out]
+    if max(sizes) <= slot - 8:
+        return [pickle.loads(o[8:8 + n].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(max(sizes), dtype=torch.uint8, device=dev) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
 
 
 
