@@ -241,7 +241,7 @@ def transfer_phase(plan: LoadPlan, topo, params: dict[str, torch.Tensor], open_r
             transfer = OwnerReads(plan, rank, params, reader)
             transfer.run()
         elif node_pulls:
-            transfer = NodePulls(plan, rank, params, reader, timeout_s=topo.timeout_s)
+            transfer = NodePulls(plan, rank, params, reader)
             if transfer.run() is None:  # a reader cannot serve pulls (logged): every rank takes the buckets
                 transfer = None
         if transfer is None:

@@ -4,9 +4,11 @@ When the whole job is one node, the page cache is shared by all its processes, a
 copies and hand-offs, not storage reads. The bucketed transfer (engine.py) costs a rank two copies
 (file -> the reader's shared slot -> its param) and two messages per bucket. Here:
 
-- each reader opens the files it reads and broadcasts which descriptors it holds; every other rank takes
-  duplicates of them (pull.py: the same open files, the paths are not opened again), and all ranks agree
-  that they could before anyone copies;
+- each reader opens each file it reads once per rank of the node and broadcasts which descriptor is
+  whose; every other rank takes a duplicate of its own (pull.py: `pidfd_getfd`, the path is not opened
+  again), and all ranks agree that they could before anyone copies. One open file per rank, because
+  ranks sharing one interleave their reads through one read-ahead state (twice the CPU per byte cold,
+  BENCHMARKS.md);
 - every rank, the readers included, copies each of its pieces once, from the file into its param
   (file_copy.py: one `preadv` per piece of whole rows, one strided copy out of a transient map for
   row-parallel columns), in plan order, so the ranks walk the files together and the kernel reads each
@@ -53,12 +55,10 @@ class NodePulls:
     """Fills this rank's params from its readers' open files; `run()` returns TransferStats, or None on
     every rank when a reader cannot lend its files (then the caller runs the bucketed transfer)."""
 
-    def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader: RangeReader,
-                 timeout_s: float = 600.0):
+    def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader: RangeReader):
         """reader: this rank's (every rank has one: a reader opens its files with it, the others read
         through it with the descriptors they borrow; the caller closes it after the phase's agreement)."""
         self.plan, self.rank, self.params, self.reader = plan, rank, params, reader
-        self.timeout_s = timeout_s
         self.stats = TransferStats(path="node-pulls")
         self.error: BaseException | None = None  # reported at the phase's agreement step
         self.files = sorted({src.file for src in plan.sources.values()})
