@@ -490,9 +490,11 @@ def load_sharded(path: str, *, tp: int | None = None, ep: int = 1, reshard: bool
     reader, transfer = transfer_phase(plan, topo, params, open_reader, progress, after_transfer=count_verified)
     clock.lap("transfer")
 
-    verdict = _phase("reconcile", lambda: reconcile(plan, rank, params, transfer.stats.written, strict=strict))
+    record = {**rank_record(rank, transfer.stats, reader, topo.device), "checksums_verified": verified}
+    verdict = _phase("reconcile", lambda: reconcile(plan, rank, params, transfer.stats.written, strict=strict,
+                                                    report_record=record))
     clock.lap("reconcile")
-    per_rank = all_gather_objects({**rank_record(rank, transfer.stats, reader, topo.device), "checksums_verified": verified})
+    per_rank = verdict.rank_reports
     saved = describe_topology(manifest["world_size"], manifest["tp"], manifest["ep"])
     result_report = build_report(plan, per_rank, clock.as_dict(), verdict, source=str(root),
                                  extra={"saved_topology": saved, "resharded": resharded, "checksums": checksums})

@@ -64,6 +64,10 @@ class NodePulls:
         self.files = sorted({src.file for src in plan.sources.values()})
         self._file_index = {f: i for i, f in enumerate(self.files)}
         self._lent: list[int] = []  # descriptors this reader opened for the other ranks to borrow
+        # What this rank copies from each bucket (asked once: both borrowing and copying need it), and the
+        # files it reads itself as a reader.
+        self._items = [plan.items(bucket, rank) for bucket in plan.buckets]
+        self._own_files = {plan.sources[c.source].file for b in plan.buckets if b.reader == rank for c in b.chunks}
 
     # -- which descriptors each reader holds ---------------------------------------------------------
 
@@ -82,8 +86,7 @@ class NodePulls:
         if why is not None:
             log.info("pulls from the reader's files: not here (%s); using the bucketed transfer", why)
             return table
-        mine = sorted({self.plan.sources[c.source].file for b in self.plan.buckets if b.reader == self.rank
-                       for c in b.chunks})
+        mine = sorted(self._own_files)
         try:
             make_room_for_descriptors(len(mine) * world)
             for f in mine:
@@ -126,13 +129,12 @@ class NodePulls:
     def _borrow(self, tables: dict[int, tuple[int, list[int], list[int]]]) -> str | None:
         """Give this rank's reader duplicates of the descriptors lent to it for the files it copies from
         and does not read itself; returns why it could not (None: it could)."""
-        own = {self.plan.sources[c.source].file for b in self.plan.buckets if b.reader == self.rank for c in b.chunks}
         wanted = {}
-        for bucket in self.plan.buckets:
-            if bucket.reader != self.rank and self.plan.items(bucket, self.rank):
+        for bucket, items in zip(self.plan.buckets, self._items):
+            if bucket.reader != self.rank and items:
                 for chunk in bucket.chunks:
                     f = self.plan.sources[chunk.source].file
-                    if f not in own:
+                    if f not in self._own_files:
                         wanted.setdefault(f, bucket.reader)
         for f, r in sorted(wanted.items()):
             pid, fds, inodes = tables[r]
@@ -157,8 +159,8 @@ class NodePulls:
 
     # -- the copies ----------------------------------------------------------------------------------
 
-    def _copy_bucket(self, bucket: Bucket) -> None:
-        for item in self.plan.items(bucket, self.rank):
+    def _copy_bucket(self, bucket: Bucket, items) -> None:
+        for item in items:
             src = self.plan.sources[item.chunk.source]
             try:
                 copied = copy_piece(self.reader, src, self.params[item.param], item.piece)
@@ -172,7 +174,7 @@ class NodePulls:
 
     def run(self) -> TransferStats | None:
         world = self.plan.layout.world
-        allow = AllowPulls() if any(b.reader == self.rank for b in self.plan.buckets) else None
+        allow = AllowPulls() if self._own_files else None
         try:
             tables = self._tables()
             if tables is None:
@@ -193,11 +195,11 @@ class NodePulls:
             if allow is not None:
                 allow.close()
             self._close_lent()
-        for bucket in self.plan.buckets:
+        for bucket, items in zip(self.plan.buckets, self._items):
             if self.error is None:
                 try:
                     faults.hit("transfer")  # test hook (DISTLOAD_FAULT), a no-op otherwise
-                    self._copy_bucket(bucket)
+                    self._copy_bucket(bucket, items)
                     self.stats.buckets += 1
                 except Exception as exc:  # keep counting: the agreement step reports it
                     self.error = exc
