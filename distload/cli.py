@@ -113,7 +113,9 @@ def cmd_demo(args) -> int:
     if result.rank == 0:
         for r in result.report["per_rank"]:
             print(f"  rank {r['rank']}: read {r['bytes_read']:>10,} B from storage ({r['files_opened']} files), "
-                  f"received {r['bytes_received']:>10,} B, sent {r['bytes_sent']:>10,} B, "
+                  f"received {r['bytes_received']:>10,} B"
+                  + (f" ({r['bytes_from_other_nodes']:,} B from other nodes)" if r.get("bytes_from_other_nodes") else "")
+                  + f", sent {r['bytes_sent']:>10,} B, "
                   f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
     return 0 if result.report["ok"] else 1
 

@@ -157,7 +157,9 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
             strategy, _ = choose_strategy(index.root, index.total_bytes)  # logs its reason
         from .dcp import DcpIndex, DcpReader
 
-        return DcpReader(index, strategy) if isinstance(index, DcpIndex) else RangeReader(index.root, strategy=strategy)
+        if isinstance(index, DcpIndex):
+            return DcpReader(index, strategy)
+        return RangeReader(index.root, strategy=strategy, exact=len(topo.layout.reader_nodes) > 1)
 
     owners, pulls = _copy_path(plan, index, topo.device)
     reader, transfer = transfer_phase(plan, topo, params, open_reader, progress,

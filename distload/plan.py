@@ -444,26 +444,96 @@ def _layouts_for_target(target, index, rules, config, layout: Layout, hosts) -> 
 # The plan
 
 
-def _reader_runs(sources: list[Source], readers: tuple[int, ...]) -> dict[int, list[Source]]:
-    """Split the file-ordered sources into contiguous runs of about equal bytes, one per reader.
+Span = tuple  # (Source, (first row, end row)): rows of one source that one reader reads
 
-    Contiguous runs keep each reader's reads sequential inside a file; a big file is split at a tensor
+
+def _byte_runs(spans: list[Span], readers: tuple[int, ...], quotas: list[float]) -> dict[int, list[Span]]:
+    """Split file-ordered spans into contiguous runs, reader i taking about quotas[i] bytes.
+
+    Contiguous runs keep each reader's reads sequential inside a file; a big file is split at a span
     boundary when that balances better.
     """
-    total = sum(s.nbytes for s in sources)
     runs = {r: [] for r in readers}
-    target_per_reader = total / len(readers)
-    i, acc = 0, 0
-    for s in sources:
-        while i < len(readers) - 1 and acc >= target_per_reader * (i + 1):
+    i, acc, upto = 0, 0, quotas[0] if quotas else 0
+    for span in spans:
+        while i < len(readers) - 1 and acc >= upto:
             i += 1
-        runs[readers[i]].append(s)
-        acc += s.nbytes
+            upto += quotas[i]
+        runs[readers[i]].append(span)
+        acc += _span_bytes(span)
     return runs
 
 
-def buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: int) -> list[tuple]:
-    """Chunk and bucket one reader's sources; returns (broadcast, chunks, read_bytes, recv_bytes) tuples."""
+def _span_bytes(span: Span) -> int:
+    src, (a, b) = span
+    return (b - a) * src.row_bytes
+
+
+def _node_segments(src: Source, node_of) -> list[tuple[int, int, frozenset]]:
+    """The source's rows cut where the set of nodes taking them changes: (first row, end row, nodes)."""
+    cuts = sorted({0, src.rows} | {r for d in src.deliveries for r in d.piece.rows if 0 < r < src.rows})
+    starts = sorted((d.piece.rows[0], d.piece.rows[1], node_of(d.rank)) for d in src.deliveries)
+    segments, active, k = [], [], 0
+    for a, b in zip(cuts, cuts[1:]):
+        while k < len(starts) and starts[k][0] <= a:
+            active.append(starts[k])
+            k += 1
+        active = [x for x in active if x[1] > a]
+        nodes = frozenset(node for _, _, node in active)
+        if segments and segments[-1][2] == nodes:
+            segments[-1] = (segments[-1][0], b, nodes)
+        else:
+            segments.append((a, b, nodes))
+    return segments or [(0, src.rows, frozenset())]
+
+
+def _reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]:
+    """Which rows of which sources each reader reads, in file order, about equal bytes per reader.
+
+    On one node (or with readers on one node only) sources are split into contiguous runs at tensor
+    boundaries. With readers on several nodes, rows that only one node's ranks take are read by a reader of
+    that node, so they never cross between nodes (column-parallel and vocab rows, a node's experts); rows
+    several nodes take (row-parallel tensors, replicated ones) are spread over the nodes to even out the
+    bytes each node reads. Every byte is still read once by the job.
+    """
+    readers = layout.readers
+    by_node = {n: [r for r in readers if layout.node(r) == n] for n in layout.reader_nodes}
+    whole = [(s, (0, s.rows)) for s in sources]
+    if len(by_node) < 2:
+        return _byte_runs(whole, readers, [sum(_span_bytes(x) for x in whole) / len(readers)] * len(readers))
+    home: dict[int, list[Span]] = {n: [] for n in by_node}
+    shared: list[Span] = []
+    for s in sources:
+        for a, b, nodes in _node_segments(s, layout.node):
+            only = next(iter(nodes)) if len(nodes) == 1 else None
+            (home[only] if only in home else shared).append((s, (a, b)))
+    total = sum(_span_bytes(x) for x in whole)
+    nodes = sorted(by_node)
+    # Each node reads its share (in proportion to its readers): its own rows, topped up with shared ones.
+    quota = [max(0.0, total * len(by_node[n]) / len(readers) - sum(_span_bytes(x) for x in home[n])) for n in nodes]
+    extra = _byte_runs(shared, tuple(nodes), quota if sum(quota) else [1.0] * len(nodes))
+    order = {s.name: i for i, s in enumerate(sources)}
+    out = {}
+    for n in nodes:
+        spans = _merged(sorted(home[n] + extra[n], key=lambda x: (order[x[0].name], x[1])))
+        share = sum(_span_bytes(x) for x in spans) / len(by_node[n])
+        out.update(_byte_runs(spans, tuple(by_node[n]), [share] * len(by_node[n])))
+    return out
+
+
+def _merged(spans: list[Span]) -> list[Span]:
+    """Adjacent row ranges of one source as one span (fewer, larger chunks)."""
+    out = []
+    for src, (a, b) in spans:
+        if out and out[-1][0] is src and out[-1][1][1] == a:
+            out[-1] = (src, (out[-1][1][0], b))
+        else:
+            out.append((src, (a, b)))
+    return out
+
+
+def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) -> list[tuple]:
+    """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, recv_bytes)."""
     out = []
     cur, cur_read, cur_send, cur_bcast, cur_recv = [], 0, 0, None, [0] * world
 
@@ -473,14 +543,14 @@ def buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: i
             out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_recv)))
         cur, cur_read, cur_send, cur_recv = [], 0, 0, [0] * world
 
-    for s in sources:
+    for s, (first, end) in spans:
         # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
         # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
         sent = 0 if s.broadcast else sum(d.piece.numel for d in s.deliveries) * itemsize(s.dtype)
         per_row = max(s.row_bytes, -(-sent // max(1, s.rows)), 1)
         per_chunk = max(1, staging_bytes // per_row)
-        for a in range(0, max(s.rows, 1), per_chunk):
-            chunk = Chunk(s.name, (a, min(a + per_chunk, s.rows)))
+        for a in range(first, max(end, first + 1), per_chunk):
+            chunk = Chunk(s.name, (a, min(a + per_chunk, end)))
             read = (chunk.rows[1] - chunk.rows[0]) * s.row_bytes
             recv = [0] * world
             for d in s.deliveries:
@@ -498,6 +568,18 @@ def buckets_for(reader: int, sources: list[Source], world: int, staging_bytes: i
             cur_recv = [x + y for x, y in zip(cur_recv, recv)]
     flush()
     return out
+
+
+def interleaved(per_reader: dict[int, list[tuple]], readers) -> tuple[Bucket, ...]:
+    """Number the readers' buckets, taking one from each reader in turn, so that every reader has work in
+    flight at the same time."""
+    buckets = []
+    for group in itertools.zip_longest(*(per_reader[r] for r in readers)):
+        for reader, b in zip(readers, group):
+            if b is not None:
+                bcast, chunks, read, recv = b
+                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, recv))
+    return tuple(buckets)
 
 
 def _relayout(t: Target, tensors, rules: FamilyRules, config: dict, q: int):
@@ -583,21 +665,15 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
         full = {d.rank for d in ds if d.piece.rows == (0, rows) and d.piece.cols == (0, cols)}
         broadcast = len(ds) == layout.world and full == set(range(layout.world))
         sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ds, broadcast))
-    runs = _reader_runs(sources, layout.readers)
-    per_reader = {r: buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers}
-    # Interleave readers' buckets so that every reader has work in flight at the same time.
-    buckets = []
-    for group in itertools.zip_longest(*(per_reader[r] for r in layout.readers)):
-        for reader, b in zip(layout.readers, group):
-            if b is not None:
-                bcast, chunks, read, recv = b
-                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, recv))
+    runs = _reader_spans(sources, layout)
+    buckets = interleaved({r: buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers},
+                          layout.readers)
     notes = []
     if ignored:
         notes.append(f"ignored by rule: {names.describe(ignored)}")
     if quantization:
         notes.append(f"quantization: {quantization}")
     return LoadPlan(family=rules.name, layout=layout, specs=tuple(final), sources={s.name: s for s in sources},
-                    buckets=tuple(buckets), missing=tuple(missing), unexpected=tuple(unexpected),
+                    buckets=buckets, missing=tuple(missing), unexpected=tuple(unexpected),
                     ignored=tuple(ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes),
                     staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization)

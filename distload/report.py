@@ -49,6 +49,7 @@ def rank_record(rank: int, stats, reader, device: str) -> dict:
         "bytes_read": int(reader.bytes_read) if reader is not None else 0,
         "files_opened": len(reader.files_opened) if reader is not None else 0,
         "bytes_received": int(stats.bytes_received),
+        "bytes_from_other_nodes": int(stats.bytes_from_other_nodes),
         "bytes_sent": int(stats.bytes_sent),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_device_bytes": peak_device,

@@ -22,14 +22,13 @@ smaller), whole, so every byte the manifest checksums is read and can be verifie
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import replace
 
 from .checkpoint.header import TensorEntry
 from .dtypes import itemsize
 from .errors import CheckpointError, PlanError
-from .plan import Bucket, Delivery, LoadPlan, ParamSpec, Piece, Source, buckets_for, build_plan
+from .plan import Bucket, Delivery, LoadPlan, ParamSpec, Piece, Source, buckets_for, build_plan, interleaved
 from .shard import view2d
 from .topology import Layout
 
@@ -82,14 +81,8 @@ def _bucketed(sources: list[Source], reader_of: dict[str, int], world: int, stag
     per_reader = {}
     for r in readers:
         mine = sorted((s for s in sources if reader_of[s.name] == r), key=lambda s: (s.file, s.offset))
-        per_reader[r] = buckets_for(r, mine, world, staging_bytes)
-    buckets = []
-    for group in itertools.zip_longest(*(per_reader[r] for r in readers)):
-        for reader, b in zip(readers, group):
-            if b is not None:
-                bcast, chunks, read, recv = b
-                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, recv))
-    return tuple(buckets)
+        per_reader[r] = buckets_for(r, [(s, (0, s.rows)) for s in mine], world, staging_bytes)
+    return interleaved(per_reader, readers)
 
 
 def same_topology_plan(manifest: dict, layout: Layout, staging_bytes: int) -> LoadPlan:

@@ -51,6 +51,16 @@ class Layout:
         """Are all ranks on one node (one page cache)?"""
         return self.local_world in (0, self.world)
 
+    def node(self, rank: int) -> int:
+        """The node `rank` runs on (torchrun numbers ranks node by node)."""
+        return rank // self.local_world if self.local_world else 0
+
+    @property
+    def reader_nodes(self) -> tuple[int, ...]:
+        """The nodes that have a reader. On more than one, each reads the rows its own ranks keep (plan.py),
+        skipping the rest of a tensor."""
+        return tuple(sorted({self.node(r) for r in self.readers}))
+
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 

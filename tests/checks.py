@@ -114,3 +114,40 @@ def toy_rules(tmp_path: Path, body: str):
     path.write_text('name = "toy"\narchitectures = ["Toy"]\n' + textwrap.dedent(body))
     return parse_rules(path)
 
+
+
+def cross_node_bytes(plan) -> list[int]:
+    """Per rank, the bytes the plan sends it from a reader on another node (what crosses the network)."""
+    layout, out = plan.layout, [0] * plan.layout.world
+    for b in plan.buckets:
+        for rank in range(layout.world):
+            if layout.node(rank) != layout.node(b.reader):
+                out[rank] += b.read_bytes if b.broadcast else b.recv_bytes[rank]
+    return out
+
+
+def assert_rows_stay_on_their_node(plan) -> None:
+    """Rows that the ranks of only one node take are read by a reader on that node (when it has one), so only
+    rows several nodes need cross between nodes; and the nodes read about the same bytes."""
+    from distload.plan import clip
+
+    layout = plan.layout
+    reader_nodes = {layout.node(r) for r in layout.readers}
+    shared = 0
+    for b in plan.buckets:
+        for c in b.chunks:
+            src = plan.sources[c.source]
+            nodes = {layout.node(d.rank) for d in src.deliveries if clip(d.piece, c.rows) is not None}
+            if len(nodes) == 1 and nodes <= reader_nodes:
+                assert nodes == {layout.node(b.reader)}, f"{c}: taken on node {nodes}, read on {layout.node(b.reader)}"
+            else:
+                shared += (c.rows[1] - c.rows[0]) * src.row_bytes
+    # What crosses is at most the shared rows, to each rank of another node.
+    nodes = len({layout.node(r) for r in range(layout.world)})
+    assert sum(cross_node_bytes(plan)) <= shared * (nodes - 1) * layout.local_world
+    per_node = {}
+    for b in plan.buckets:
+        per_node[layout.node(b.reader)] = per_node.get(layout.node(b.reader), 0) + b.read_bytes
+    if len(per_node) == nodes and len({sum(1 for r in layout.readers if layout.node(r) == n) for n in per_node}) == 1:
+        biggest = max(s.nbytes for s in plan.sources.values())
+        assert max(per_node.values()) - min(per_node.values()) <= 2 * biggest, per_node

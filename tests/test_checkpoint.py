@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import pickle
 import struct
 from collections import namedtuple
@@ -528,3 +529,51 @@ def test_malicious_pickle_is_refused_without_running(tmp_path, action, container
         discover(tmp_path)
     assert not marker.exists(), "unpickling ran attacker code"
     assert "weights_only=False will" not in str(err.value)  # never relay torch's advice to disable the guard
+
+
+def _cached_pages(path) -> list[bool]:
+    """Which pages of a file are in the page cache (mincore on an untouched map; reading would fetch them)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as fh:
+        region = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    anchor = ctypes.c_char.from_buffer(region)
+    try:
+        vec = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec):
+            raise OSError(ctypes.get_errno(), "mincore")
+        return [bool(v & 1) for v in vec]
+    finally:
+        del anchor
+        region.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore, posix_fadvise: Linux")
+def test_exact_reader_fetches_only_what_it_reads(tmp_path):
+    """A reader that skips the rows another node reads (exact=True) must not pull them from storage by
+    read-ahead: each node would then read most of the checkpoint."""
+    import time
+
+    path = tmp_path / "f"
+    with open(path, "wb") as fh:
+        fh.write(os.urandom(1 << 20) * 32)
+        fh.flush()
+        os.fsync(fh.fileno())
+    read, page = 4 << 20, 4096
+    for exact in (False, True):
+        evict_from_page_cache(path)
+        if any(_cached_pages(path)):
+            pytest.skip("this file system keeps the file cached (tmpfs?): page-cache state cannot be observed")
+        with RangeReader(str(tmp_path), exact=exact) as reader:
+            reader.read_into("f", 0, torch.empty(read, dtype=torch.uint8))
+            time.sleep(0.3)  # let read-ahead I/O in flight land
+        cached = _cached_pages(path)
+        assert all(cached[:read // page])
+        if not exact and not any(cached[read // page:]):
+            pytest.skip("no read-ahead observed here: nothing for exact reads to avoid")
+        if exact:
+            assert not any(cached[read // page:]), f"an exact reader read ahead {sum(cached[read // page:])} pages"

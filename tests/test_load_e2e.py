@@ -329,3 +329,52 @@ def test_records_are_gathered_whole_whatever_their_size():
     want_small = [{"rank": r, "names": [f"p{i}" for i in range(r)]} for r in range(3)]
     want_mixed = [["x" * (40_000 if r == 1 else 3), r] for r in range(3)]
     assert all(r == [want_small, want_mixed] for r in results), results[0]
+
+
+def _load_as_two_nodes(checkpoints: dict, moe_path: str) -> dict:
+    """4 ranks presenting themselves as 2 nodes x 2 ranks (torchrun's LOCAL_WORLD_SIZE / GROUP_RANK), as a
+    2-node job does: a reader per node, each node's column-parallel rows read on that node."""
+    import os
+
+    import torch.distributed as dist
+
+    import distload
+
+    rank = dist.get_rank()
+    os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2))
+    problems, reports = [], {}
+    for fam in ("llama", "llama_mqa_tied", "qwen3", "phi3"):
+        result = distload.load(checkpoints[fam], tp=4, staging_mib=1, progress=False)
+        problems += differences(result.params, _expected(checkpoints[fam], rank, 4), f"{fam} 2 nodes rank{rank}")
+        reports[fam] = result.report
+    # Experts: ep 2 puts experts 0-1 on node 0 and 2-3 on node 1, read there; the same bytes as one node
+    # loads (tests/test_moe.py checks those against the oracle).
+    two = distload.load(moe_path, tp=4, ep=2, staging_mib=1, progress=False)
+    reports["mixtral"] = two.report
+    os.environ.update(LOCAL_WORLD_SIZE="4", GROUP_RANK="0", LOCAL_RANK=str(rank))
+    one = distload.load(moe_path, tp=4, ep=2, staging_mib=1, progress=False)
+    problems += differences(two.params, one.params, f"mixtral ep2 2 nodes vs 1 node rank{rank}")
+    return {"problems": problems, "reports": reports}
+
+
+def test_two_nodes_keep_column_rows_on_their_node(dense_checkpoints, tmp_path):
+    """Real gloo ranks as 2 nodes: every rank holds exactly the oracle's shard; each byte is read once by the
+    job; a node's ranks receive from the other node only what the plan says crosses, well under what they keep."""
+    import distload
+    from checks import cross_node_bytes
+    from hf_models import save_checkpoint
+
+    moe_path = str(save_checkpoint("mixtral", tmp_path / "mixtral"))
+    results = run_ranks(4, _load_as_two_nodes, dense_checkpoints, moe_path)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    for fam, report in results[0]["reports"].items():
+        path = moe_path if fam == "mixtral" else dense_checkpoints[fam]
+        assert report["ok"] and report["readers"] == [0, 2], fam
+        assert report["storage_bytes_read"] == report["checkpoint_bytes"] == tensor_bytes(path), fam
+        plan = distload.inspect(path, tp=4, ep=2 if fam == "mixtral" else 1, world=4, local_world=2, staging_mib=1)
+        crossed = [r["bytes_from_other_nodes"] for r in report["per_rank"]]
+        assert crossed == cross_node_bytes(plan), fam
+        for r in range(4):
+            kept = sum(s.nbytes for s in plan.specs[r].values() if not s.alias_of)
+            assert 0 < crossed[r] < 0.25 * kept, (fam, r, crossed[r], kept)  # one big file per node: ~0.5

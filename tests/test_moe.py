@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checks import differences, tensor_bytes
+from checks import assert_rows_stay_on_their_node, differences, tensor_bytes
 from spawn import run_ranks
 
 import distload
@@ -165,9 +165,13 @@ def test_plan_delivers_every_expert_to_exactly_its_hosts(moe, ckpt):
     original = checkpoint_tensors(moe[oracle_source(ckpt)])
     config = read_config(moe[ckpt])
     n = num_experts(config)
-    for world, ep, placement, emap in PLAN_LAYOUTS:
-        where = f"{ckpt} world {world} ep {ep} {placement} map {emap}"
-        plan = distload.inspect(moe[ckpt], tp=world, ep=ep, expert_placement=placement, expert_map=emap)
+    # 4 ranks also as 2 nodes x 2 ranks (a reader per node): a node's experts are read on that node.
+    for world, ep, placement, emap, local_world in [(*x, n) for x in PLAN_LAYOUTS for n in {x[0], min(x[0], 2)}]:
+        where = f"{ckpt} world {world} ep {ep} {placement} map {emap} {world // local_world} node(s)"
+        plan = distload.inspect(moe[ckpt], tp=world, ep=ep, expert_placement=placement, expert_map=emap,
+                                local_world=local_world)
+        if local_world < world:
+            assert_rows_stay_on_their_node(plan)
         hosts = expected_hosts(n, world, ep, placement, emap)
         for src in plan.sources.values():
             receivers = sorted({d.rank for d in src.deliveries})

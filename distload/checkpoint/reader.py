@@ -48,11 +48,14 @@ THREADED_WORKERS = 8
 class RangeReader:
     """Reads `[offset, offset + len(out))` of checkpoint files under `root` into `out`."""
 
-    def __init__(self, root: str, strategy: str = "plain"):
+    def __init__(self, root: str, strategy: str = "plain", exact: bool = False):
+        """exact: fetch from storage only the ranges read (no read-ahead), for a reader that skips parts of
+        the files another node reads: read-ahead would fetch those from storage here too."""
         if strategy not in STRATEGIES:
             raise DistloadError(f"unknown read strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         self.root = os.path.abspath(root)
         self.strategy = strategy
+        self.exact = exact
         self.bytes_read = 0
         self.files_opened: set[str] = set()
         self._fds: dict[str, int] = {}
@@ -70,7 +73,7 @@ class RangeReader:
             count = self._legacy_file(entry_file).read_into(offset, view)
         else:
             fd = self._fd(entry_file)
-            if self.strategy == "prefetch":
+            if self.strategy == "prefetch" and not self.exact:  # an exact reader's next range may be another's
                 self._advise_willneed(fd, offset + len(view), len(view))
             if entry_file in self._direct:
                 count = self._read_direct(entry_file, fd, offset, view)
@@ -167,9 +170,10 @@ class RangeReader:
             raise CheckpointError(f"{self.root}: cannot open {rel!r}: {e}") from e
         # Readers go through a file front to back (buckets are in file order): a doubled readahead window
         # keeps the disk busy with large requests. Measured cold on this VM (1 GiB, one process): 1.6 GB/s
-        # instead of 0.85-1.0.
+        # instead of 0.85-1.0. An exact reader skips rows: with read-ahead, two emulated nodes each reading
+        # half of every column-parallel tensor took 1.5x the checkpoint from the disk (scripts/bench.py).
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if self.exact else os.POSIX_FADV_SEQUENTIAL)
         return fd
 
     def _legacy_file(self, rel: str) -> LegacyFile:

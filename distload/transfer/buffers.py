@@ -23,6 +23,7 @@ class TransferStats:
     bytes_read: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_from_other_nodes: int = 0      # of bytes_received, what came from a reader on another node
     buckets: int = 0
     # How bytes reached this rank's params: "buckets" (engine.py), "node-pulls" (node_pull.py), "owner-reads".
     path: str = "buckets"

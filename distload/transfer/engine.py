@@ -325,6 +325,8 @@ class Transfer:
             return self._post_shm_receive(bucket, n)
         buf = self.recv_pool.get()
         self.stats.bytes_received += n
+        if bucket.reader // self.local_world != me // self.local_world:
+            self.stats.bytes_from_other_nodes += n
         if bucket.broadcast:
             wire = buf[:n]
             require_contiguous(wire, "receive buffer")
