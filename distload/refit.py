@@ -73,6 +73,9 @@ class MemoryReader:
         self.bytes_read += n
         return n
 
+    def prefetch(self, file: str, offset: int, nbytes: int) -> None:
+        """Nothing to fetch: the tensors are in memory."""
+
     def close(self) -> None:
         self._current = None
 

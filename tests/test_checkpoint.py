@@ -577,3 +577,31 @@ def test_exact_reader_fetches_only_what_it_reads(tmp_path):
             pytest.skip("no read-ahead observed here: nothing for exact reads to avoid")
         if exact:
             assert not any(cached[read // page:]), f"an exact reader read ahead {sum(cached[read // page:])} pages"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore, posix_fadvise: Linux")
+def test_exact_reader_prefetches_exactly_what_it_is_told(tmp_path):
+    """With no kernel read-ahead, an exact reader relies on the transfer naming its next ranges: prefetch()
+    brings exactly those pages in (a range longer than one WILLNEED fetches included); a plain reader
+    leaves prefetching to the kernel."""
+    import time
+
+    path = tmp_path / "f"
+    with open(path, "wb") as fh:
+        fh.write(os.urandom(1 << 20) * 32)
+        fh.flush()
+        os.fsync(fh.fileno())
+    page, lo, n = 4096, 3 << 20, 20 << 20
+    for exact in (False, True):
+        evict_from_page_cache(path)
+        if any(_cached_pages(path)):
+            pytest.skip("this file system keeps the file cached (tmpfs?): page-cache state cannot be observed")
+        with RangeReader(str(tmp_path), exact=exact) as reader:
+            reader.prefetch("f", lo, n)
+            time.sleep(0.3)  # WILLNEED starts the reads; let them land
+        cached = _cached_pages(path)
+        if exact:
+            assert all(cached[lo // page:(lo + n) // page]), "not all of the range came in"
+            assert not any(cached[:lo // page]) and not any(cached[(lo + n) // page:]), "more than the range"
+        else:
+            assert not any(cached)

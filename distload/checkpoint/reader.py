@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import threading
+from pathlib import Path
 
 import psutil
 import torch
@@ -64,6 +65,7 @@ class RangeReader:
         self._lock = threading.Lock()
         self._bounce = threading.local()  # one aligned buffer per reading thread
         self._pool = None  # threaded: the thread pool, made on first use
+        self._willneed_piece: dict[str, int] = {}
 
     def read_into(self, entry_file: str, offset: int, out: memoryview | torch.Tensor, tally: bool = True) -> int:
         """Fill `out` with exactly len(out) bytes of `entry_file` at `offset`; returns the count.
@@ -110,10 +112,18 @@ class RangeReader:
             self.bytes_read += nbytes
 
     def prefetch(self, entry_file: str, offset: int, nbytes: int) -> None:
-        """Ask the kernel to start fetching a range we will read soon (strategy "prefetch" only)."""
-        if self.strategy != "prefetch" or is_legacy_file(entry_file) or nbytes <= 0:
+        """Ask the kernel to start fetching a range we will read soon: with the prefetch strategy, and for an
+        exact reader, which has no kernel read-ahead (the transfer names its next ranges: engine.py)."""
+        if not (self.strategy == "prefetch" or (self.exact and self.strategy != "odirect")):
             return
-        self._advise_willneed(self._fd(entry_file), offset, nbytes)
+        if is_legacy_file(entry_file) or nbytes <= 0:
+            return
+        fd = self._fd(entry_file)
+        if entry_file not in self._willneed_piece:
+            self._willneed_piece[entry_file] = willneed_piece(fd)
+        piece = self._willneed_piece[entry_file]
+        for at in range(offset, offset + nbytes, piece):
+            self._advise_willneed(fd, at, min(piece, offset + nbytes - at))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -245,6 +255,21 @@ class RangeReader:
         return _pread_exactly(fd, self.root, rel, offset, view)
 
 
+def willneed_piece(fd: int) -> int:
+    """The most one posix_fadvise(WILLNEED) fetches of this file: Linux clips it to the larger of its
+    device's largest request (max_sectors_kb) and read-ahead window (read_ahead_kb), so a longer range is
+    asked for in pieces of this size. 1 MiB where sysfs does not say (below both on common disks)."""
+    st = os.fstat(fd)
+    base = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    for queue in (f"{base}/queue", f"{base}/../queue"):  # a partition's queue is its disk's
+        try:
+            kib = [int(Path(queue, name).read_text()) for name in ("max_sectors_kb", "read_ahead_kb")]
+        except (OSError, ValueError):
+            continue
+        return max(max(kib) << 10, 1 << 17)
+    return 1 << 20
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -358,6 +383,9 @@ class ReaderWrapper:
     @property
     def files_opened(self):
         return self.inner.files_opened
+
+    def prefetch(self, entry_file: str, offset: int, nbytes: int) -> None:
+        """Nothing: the ranges named are of the outer (virtual) file, not of the inner reader's files."""
 
     def close(self) -> None:
         self.inner.close()
