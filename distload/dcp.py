@@ -327,8 +327,8 @@ class DcpReader(ReaderWrapper):
     """Serves byte ranges of the virtual file from the .distcp files (through a RangeReader: its strategies,
     path checks and counters)."""
 
-    def __init__(self, index: DcpIndex, strategy: str = "plain"):
-        super().__init__(RangeReader(index.root, strategy=strategy))
+    def __init__(self, index: DcpIndex, strategy: str = "plain", exact: bool = False):
+        super().__init__(RangeReader(index.root, strategy=strategy, exact=exact))
         self.segments = index.segments
         self._starts = [s[0] for s in index.segments]
 

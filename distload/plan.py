@@ -136,6 +136,12 @@ class LoadPlan:
         mine.sort(key=lambda sd: (sd[0].file, sd[0].offset + sd[1].piece.rows[0] * sd[0].row_bytes))
         return mine
 
+    def bytes_from_other_nodes(self, rank: int) -> int:
+        """Bytes `rank` receives from readers on other nodes: what crosses the network to it."""
+        node = self.layout.node(rank)
+        return sum(b.read_bytes if b.broadcast else b.recv_bytes[rank]
+                   for b in self.buckets if self.layout.node(b.reader) != node)
+
     def staging_specs(self, rank: int) -> dict[str, ParamSpec]:
         """What the transfer writes on `rank` (the final specs unless a post-load step rewrites params)."""
         return self.staging[rank] if self.staging else self.specs[rank]

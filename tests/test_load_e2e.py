@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checks import differences, module_from_specs, record_weight_opens, tensor_bytes
+from checks import cross_node_bytes, differences, module_from_specs, record_weight_opens, tensor_bytes
 from spawn import run_ranks
 
 def _expected(path: str, rank: int, tp: int) -> dict:
@@ -276,7 +276,9 @@ def test_inspect_shows_owner_reads(dense_checkpoints):
     table = describe_plan(plan)
     assert "owner reads (--readers owners)" in table and "readers [0, 1, 2, 3]" in table
     assert "node pulls" in describe_plan(distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4))
-    assert "node pulls" not in describe_plan(distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4, local_world=2))
+    two_nodes = distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4, local_world=2)
+    assert "node pulls" not in describe_plan(two_nodes)
+    assert f"reads the rows its own ranks keep; {sum(cross_node_bytes(two_nodes)):,} bytes cross" in describe_plan(two_nodes)
     rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
     assert [int(r[3].replace(",", "")) for r in rows] == [plan.owned_bytes(r) for r in range(4)]  # reads
     assert all(int(r[4].replace(",", "")) == 0 for r in rows)  # receives nothing
@@ -361,7 +363,6 @@ def test_two_nodes_keep_column_rows_on_their_node(dense_checkpoints, tmp_path):
     """Real gloo ranks as 2 nodes: every rank holds exactly the oracle's shard; each byte is read once by the
     job; a node's ranks receive from the other node only what the plan says crosses, well under what they keep."""
     import distload
-    from checks import cross_node_bytes
     from hf_models import save_checkpoint
 
     moe_path = str(save_checkpoint("mixtral", tmp_path / "mixtral"))
