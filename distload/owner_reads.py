@@ -20,7 +20,8 @@ import torch
 
 from .plan import LoadPlan
 from .transfer import TransferStats
-from .transfer.file_copy import copy_piece
+from .transfer.buffers import piece_bytes
+from .transfer.file_copy import Prefault, copy_piece
 
 
 class OwnerReads:
@@ -32,7 +33,13 @@ class OwnerReads:
         self.error: BaseException | None = None  # as Transfer's; this one raises instead
 
     def run(self) -> TransferStats:
-        for src, d in self.plan.owned_pieces(self.rank):
-            self.reader.count_read(copy_piece(self.reader, src, self.params[d.param], d.piece))
-            self.stats.record(d.param, d.piece)
+        pieces = self.plan.owned_pieces(self.rank)
+        ahead = Prefault([piece_bytes(self.params[d.param], d.piece) for _, d in pieces],
+                         self.plan.layout.local_world or self.plan.layout.world)
+        try:
+            for src, d in pieces:
+                self.reader.count_read(copy_piece(self.reader, src, self.params[d.param], d.piece))
+                self.stats.record(d.param, d.piece)
+        finally:
+            ahead.close()
         return self.stats

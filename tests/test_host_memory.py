@@ -92,3 +92,27 @@ def test_populate_faults_in_exactly_the_pages_under_a_region():
     host_memory.populate(t[:, :4096])       # a column strip spans every row: all 64 MiB now
     assert rss_kib() - before >= 63 << 10
     assert not host_memory.populate(torch.empty(16, dtype=torch.uint8))  # small: left to the copy
+
+
+def test_prefault_fills_the_regions_in_the_background_only_with_a_cpu_to_spare():
+    import os
+    import time
+
+    from distload.transfer.file_copy import Prefault
+
+    t = host_memory.empty((64, 1 << 20), torch.uint8, huge=False)   # 64 MiB, nothing touched
+    rss_kib = lambda: int(_mapping_of(t.data_ptr())["Rss"].split()[0])  # noqa: E731
+    before = rss_kib()
+    cpus = len(os.sched_getaffinity(0))
+    busy = Prefault([t[0:16], t[32:48]], local_ranks=cpus)   # a rank per CPU already: no thread
+    assert not busy.running
+    busy.close()
+    assert rss_kib() - before < 1 << 10
+    spare = Prefault([t[0:16], t[32:48]], local_ranks=cpus - 1)
+    deadline = time.monotonic() + 30
+    while spare.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    spare.close()
+    if rss_kib() - before < 1 << 10 and not host_memory.populate(t[60:61]):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert 31 << 10 <= rss_kib() - before <= 35 << 10   # both 16 MiB regions, not the rest

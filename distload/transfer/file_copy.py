@@ -14,6 +14,8 @@ pulls (node_pull.py: each rank reads through descriptors borrowed from its reade
 from __future__ import annotations
 
 import mmap
+import os
+import threading
 import warnings
 
 import torch
@@ -63,3 +65,40 @@ def with_mapped(fd: int, start: int, nbytes: int, use) -> None:
             region.close()
         except BufferError:  # `use` raised and its traceback still holds the tensor: unmapped when it goes
             pass
+
+
+class Prefault:
+    """Faults in (host_memory.populate) the params' regions the copies will fill, in the order they fill
+    them, on a helper thread, when the rank has a CPU to spare (more CPUs than ranks on the node): zeroing
+    a fresh page is CPU work that otherwise runs in line with the copies, between reads that wait on
+    storage. A copy that gets there first faults its pages in itself, as it would without this; a region
+    faulted in twice costs nothing more. Measured at world 1 (1 GiB; 4-rank harness alternating the
+    loaders, 10 reps): cold 1.12x -> 0.96x every-rank-reads, warm 0.93x -> 0.67x. With no CPU to spare
+    (4 ranks on 2 cores) the same thread made warm loads slower (1.19x -> 1.41x), so it is not started."""
+
+    def __init__(self, regions: list[torch.Tensor], local_ranks: int):
+        self._regions, self._stop = regions, threading.Event()
+        self._thread = None
+        if regions and _cpus() > local_ranks:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="distload-prefault")
+            self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        for region in self._regions:
+            if self._stop.is_set():
+                return
+            host_memory.populate(region)
+
+    def close(self) -> None:
+        """Stop (the copies are done: what is left is filled already) and wait for the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -35,8 +35,8 @@ from ..checkpoint import RangeReader
 from ..errors import DistloadError
 from ..plan import Bucket, LoadPlan
 from .agreement import LostPeer
-from .buffers import TransferStats
-from .file_copy import copy_piece
+from .buffers import TransferStats, piece_bytes
+from .file_copy import Prefault, copy_piece
 from .pull import AllowPulls, borrow_fd, make_room_for_descriptors, why_not_usable
 
 log = logging.getLogger("distload")
@@ -195,6 +195,15 @@ class NodePulls:
             if allow is not None:
                 allow.close()
             self._close_lent()
+        ahead = Prefault([piece_bytes(self.params[it.param], it.piece) for items in self._items for it in items], world)
+        try:
+            self._copy_all(world)
+        finally:
+            ahead.close()
+        return self.stats
+
+    def _copy_all(self, world: int) -> None:
+        """Every bucket's items, in plan order (the ranks walk the files together)."""
         for bucket, items in zip(self.plan.buckets, self._items):
             if self.error is None:
                 try:
@@ -207,5 +216,4 @@ class NodePulls:
                 self.stats.bytes_read += bucket.read_bytes
                 self.reader.count_read(bucket.read_bytes)
                 self.stats.bytes_sent += _others_bytes(bucket, world)
-        return self.stats
 
