@@ -572,7 +572,8 @@ def test_exact_reader_fetches_only_what_it_reads(tmp_path):
             reader.read_into("f", 0, torch.empty(read, dtype=torch.uint8))
             time.sleep(0.3)  # let read-ahead I/O in flight land
         cached = _cached_pages(path)
-        assert all(cached[:read // page])
+        # What was read is cached (most of it: CI once saw a few of those pages already gone again).
+        assert sum(cached[:read // page]) >= 0.9 * (read // page)
         if not exact and not any(cached[read // page:]):
             pytest.skip("no read-ahead observed here: nothing for exact reads to avoid")
         if exact:
@@ -600,8 +601,8 @@ def test_exact_reader_prefetches_exactly_what_it_is_told(tmp_path):
             reader.prefetch("f", lo, n)
             time.sleep(0.3)  # WILLNEED starts the reads; let them land
         cached = _cached_pages(path)
-        if exact:
-            assert all(cached[lo // page:(lo + n) // page]), "not all of the range came in"
+        if exact:  # one unsplit WILLNEED brings in 8 MiB of the 20 here (40%)
+            assert sum(cached[lo // page:(lo + n) // page]) >= 0.9 * (n // page), "the range did not come in"
             assert not any(cached[:lo // page]) and not any(cached[(lo + n) // page:]), "more than the range"
         else:
             assert not any(cached)
