@@ -476,6 +476,22 @@ def test_two_nodes_keep_their_rows_on_their_node(ckpt, family, readers):
         assert keys == sorted(keys)
 
 
+@pytest.mark.parametrize("world,tp,local_world", [(8, 4, 2), (6, 2, 2), (8, 4, 4), (4, 4, 1)])
+def test_more_nodes_and_replicas(ckpt, world, tp, local_world):
+    """4 nodes holding two tp-4 replicas, 3 or 2 nodes each a whole replica, 4 nodes of one rank (kv heads
+    replicated across nodes): rows a replica on another node also needs are shared like any other, every
+    byte is still read once, and every rank ends with the oracle's shard."""
+    from checks import assert_rows_stay_on_their_node
+
+    entries, config, rules, _ = ckpt("qwen3")
+    layout = Layout(world=world, tp=tp, readers=tuple(range(0, world, local_world)), local_world=local_world)
+    plan = build_plan(entries, config, rules, layout, staging_bytes=4096)
+    assert_each_byte_read_once(plan)
+    assert_items_consistent(plan)
+    assert_matches_oracle(plan, arange_values(entries), config)
+    assert_rows_stay_on_their_node(plan)
+
+
 def test_items_on_a_mixed_bucket(ckpt):
     """A non-broadcast bucket with several sources: each rank's items are contiguous and add up."""
     entries, config, rules, _ = ckpt("phi3")
