@@ -23,7 +23,7 @@ from .postprocess import PostProcess
 from .reconcile import Verdict, reconcile
 from .report import PhaseClock, Progress, build_report, rank_record, summary_line, write_report
 from .rules import rules_for
-from .transfer import NodePulls, Transfer, agree, agree_on_plan, all_gather_objects, computed_on_rank0, zero_padding
+from .transfer import NodePulls, Transfer, agree, agree_on_planning, all_gather_objects, computed_on_rank0, zero_padding
 
 log = logging.getLogger("distload")
 
@@ -122,8 +122,12 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
         return build_plan(index.tensors, index.config, rules, topo.layout, strict=strict, staging_bytes=staging,
                           quantize=quantize, dequantize=dequantize)
 
-    plan = _phase("planning", make_plan)
-    agree_on_plan(plan)
+    plan, error = None, None
+    try:
+        plan = make_plan()
+    except Exception as exc:  # every rank must reach the agreement step, whatever happened
+        error = exc
+    agree_on_planning(error, plan)  # one collective: nobody failed, and every rank holds the same plan
     specs = plan.specs[rank]
     for note in plan.notes:
         log.info(note)

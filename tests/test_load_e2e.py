@@ -226,6 +226,30 @@ def test_ranks_with_different_plans_fail_instead_of_hanging(dense_checkpoints):
     assert all("ranks computed different load plans" in m for m in messages), messages
 
 
+def _load_with_planning_failing_on_rank1(path: str) -> str:
+    import os
+
+    import distload
+
+    os.environ["DISTLOAD_FAULT"] = "raise@rank1:planning"  # read at the planning agreement step
+    try:
+        distload.load(path, progress=False)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        del os.environ["DISTLOAD_FAULT"]
+    return "loaded?!"
+
+
+def test_a_rank_failing_to_plan_fails_every_rank(dense_checkpoints):
+    """The planning agreement also compares the plan digests (one collective); a rank that failed there still
+    takes part in it, so every rank ends, naming the failure, rather than one side waiting for the other."""
+    messages = run_ranks(4, _load_with_planning_failing_on_rank1, dense_checkpoints["llama"], timeout=120)
+    assert "injected fault" in messages[1], messages
+    for m in (messages[0], messages[2], messages[3]):
+        assert "planning failed on 1 rank(s): rank 1" in m and "injected fault" in m, messages
+
+
 def _load_with_owner_reads(checkpoints: dict) -> dict:
     import torch.distributed as dist
 

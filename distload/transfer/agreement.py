@@ -15,24 +15,31 @@ import torch.distributed as dist
 
 from .. import faults
 from ..errors import RankFailure
-from .collectives import active, all_gather_objects, count_over_ranks, gather_int64
+from .collectives import active, all_gather_objects, count_over_ranks, gather_int64, max_over_ranks
 
 
-def _failure_records(mine: str | None) -> list:
-    """Every rank's failure message (None: fine). One small all-reduce when all are fine, as they nearly
-    always are; the messages themselves are gathered only when some rank failed."""
+def _failure_records(mine: str | None, digest: int | None = None) -> tuple[list, bool]:
+    """Every rank's failure message (None: fine), and whether the ranks' digests differ (digest given). One
+    small all-reduce when all are fine, as they nearly always are; the messages themselves are gathered
+    only when some rank failed."""
     if not active():
-        return [mine]
-    if count_over_ranks(0 if mine is None else 1) == 0:
-        return [None] * dist.get_world_size()
-    return all_gather_objects(mine)
+        return [mine], False
+    if digest is None:
+        failed, differ = count_over_ranks(0 if mine is None else 1), False
+    else:
+        failed, high, low = max_over_ranks([0 if mine is None else 1, digest, -digest])
+        differ = high != -low
+    if failed == 0:
+        return [None] * dist.get_world_size(), differ
+    return all_gather_objects(mine), False
 
 
-def agree(phase: str, error: BaseException | None) -> None:
+def agree(phase: str, error: BaseException | None, digest: int | None = None) -> bool:
     """The agreement step that ends every phase: if any rank failed, every rank raises, naming it.
 
     Each rank contributes (ok, message); nobody is left waiting in a later collective for a peer that
-    already raised.
+    already raised. digest (a non-negative int, on every rank or none): returns whether the ranks' digests
+    differ, found in the same collective (agree_on_planning).
     """
     step = next(_agreement_steps)
     if error is None:
@@ -45,13 +52,14 @@ def agree(phase: str, error: BaseException | None) -> None:
         raise _postmortem(phase, step, error) from error  # the group is broken: no collective can agree now
     if mine is not None:
         _tell_store(step, mine)  # so that peers learn why even if the collective below breaks
+        digest = None if digest is None else 0
     try:
-        records = _failure_records(mine)
+        records, differ = _failure_records(mine, digest)
     except Exception as exc:  # a peer died or hung past the timeout during this very step
         raise _postmortem(phase, step, LostPeer(f"agreeing on {phase}", exc)) from exc
     failures = {r: m for r, m in enumerate(records) if m is not None}
     if not failures:
-        return
+        return differ
     if error is not None:
         # This rank failed itself: its own exception (type, traceback) is the most useful thing to raise.
         raise error
@@ -151,21 +159,28 @@ def report_together(seconds: float = 3.0) -> None:
         pass
 
 
-def agree_on_plan(plan) -> None:
-    """Every rank must hold the same plan: no control message ever travels, so ranks that planned
-    differently (different distload versions or rules files on different nodes) would wait forever for
-    bytes nobody sends. A digest of the wire schedule, compared once, turns that hang into an error."""
+def plan_digest(plan) -> int:
+    """60 bits of a digest of the plan's wire schedule: equal on every rank that planned the same load."""
     import hashlib
 
-    digest = hashlib.sha256(repr((plan.buckets, [len(s) for s in plan.specs])).encode()).hexdigest()[:15]
-    if not active():
+    return int(hashlib.sha256(repr((plan.buckets, [len(s) for s in plan.specs])).encode()).hexdigest()[:15], 16)
+
+
+def agree_on_planning(error: BaseException | None, plan) -> None:
+    """The planning phase's agreement step, which also checks that every rank holds the same plan: no
+    control message ever travels, so ranks that planned differently (different distload versions or rules
+    files on different nodes) would wait forever for bytes nobody sends. One all-reduce carries both (a
+    failed rank, and the largest and smallest plan digest); the digests themselves are gathered only when
+    they differ, to say which ranks hold which plan."""
+    # Every rank takes part in the same collective: a rank that failed contributes digest 0 (its failure wins).
+    digest = plan_digest(plan) if error is None and plan is not None else 0
+    differ = agree("planning", error, digest=digest)
+    if not differ:
         return
-    # One all-gather of 60 bits of the digest, not two of pickled objects.
-    digests = [f"{d:015x}" for d in gather_int64(int(digest, 16))]
-    if len(set(digests)) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        raise RankFailure("ranks computed different load plans (" + "; ".join(f"ranks {rs}: plan {d}" for d, rs in
-                          groups.items()) + "): check that every node runs the same distload version, rules file "
-                          "(--config) and options")
+    digests = [f"{d:015x}" for d in gather_int64(digest)]
+    groups: dict[str, list[int]] = {}
+    for r, d in enumerate(digests):
+        groups.setdefault(d, []).append(r)
+    raise RankFailure("ranks computed different load plans (" + "; ".join(f"ranks {rs}: plan {d}" for d, rs in
+                      groups.items()) + "): check that every node runs the same distload version, rules file "
+                      "(--config) and options")

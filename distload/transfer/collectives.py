@@ -119,6 +119,15 @@ def count_over_ranks(flag: int) -> int:
     return int(t.item())
 
 
+def max_over_ranks(values: list[int]) -> list[int]:
+    """The element-wise maximum of a few small int64 values over every rank: one all-reduce."""
+    if not active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=object_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(x) for x in t.tolist()]
+
+
 def gather_int64(value: int) -> list[int]:
     """Every rank's int64 `value`, in rank order: one all-gather of a fixed-size tensor."""
     if not active():
