@@ -42,7 +42,7 @@ def describe_plan(plan: LoadPlan) -> str:
                      "files its reader opened (node pulls; DISTLOAD_PULL=0: through the reader's shared staging)")
     if not layout.one_node:
         crossing = sum(plan.bytes_from_other_nodes(r) for r in range(layout.world))
-        how = ("each node's reader reads the rows its own ranks keep; " if len(layout.reader_nodes) > 1 else "")
+        how = "each node's reader reads the rows its own ranks keep; " if layout.reads_by_node else ""
         lines.append(f"{layout.world // layout.local_world} nodes: {how}{crossing:,} bytes cross between nodes "
                      f"({crossing / max(1, plan.checkpoint_bytes):.0%} of the checkpoint)")
     header = (f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "

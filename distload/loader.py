@@ -161,8 +161,7 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
             strategy, _ = choose_strategy(index.root, index.total_bytes)  # logs its reason
         from .dcp import DcpIndex, DcpReader
 
-        # Readers on several nodes each skip the rows other nodes read (plan.py): read exactly what is asked.
-        exact = len(topo.layout.reader_nodes) > 1
+        exact = topo.layout.reads_by_node
         if isinstance(index, DcpIndex):
             return DcpReader(index, strategy, exact=exact)
         return RangeReader(index.root, strategy=strategy, exact=exact)

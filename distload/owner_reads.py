@@ -20,7 +20,6 @@ import torch
 
 from .plan import LoadPlan
 from .transfer import TransferStats
-from .transfer.buffers import piece_bytes
 from .transfer.file_copy import Prefault, copy_piece
 
 
@@ -34,7 +33,7 @@ class OwnerReads:
 
     def run(self) -> TransferStats:
         pieces = self.plan.owned_pieces(self.rank)
-        ahead = Prefault([piece_bytes(self.params[d.param], d.piece) for _, d in pieces],
+        ahead = Prefault(self.params, [(d.param, d.piece) for _, d in pieces],
                          self.plan.layout.local_world or self.plan.layout.world)
         try:
             for src, d in pieces:

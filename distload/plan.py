@@ -503,21 +503,21 @@ def _reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]
     bytes each node reads. Every byte is still read once by the job.
     """
     readers = layout.readers
-    by_node = {n: [r for r in readers if layout.node(r) == n] for n in layout.reader_nodes}
     whole = [(s, (0, s.rows)) for s in sources]
-    if len(by_node) < 2:
-        return _byte_runs(whole, readers, [sum(_span_bytes(x) for x in whole) / len(readers)] * len(readers))
+    total = sum(_span_bytes(x) for x in whole)
+    if not layout.reads_by_node:
+        return _byte_runs(whole, readers, [total / len(readers)] * len(readers))
+    nodes = layout.reader_nodes
+    by_node = {n: [r for r in readers if layout.node(r) == n] for n in nodes}
     home: dict[int, list[Span]] = {n: [] for n in by_node}
     shared: list[Span] = []
     for s in sources:
-        for a, b, nodes in _node_segments(s, layout.node):
-            only = next(iter(nodes)) if len(nodes) == 1 else None
+        for a, b, takers in _node_segments(s, layout.node):
+            only = next(iter(takers)) if len(takers) == 1 else None
             (home[only] if only in home else shared).append((s, (a, b)))
-    total = sum(_span_bytes(x) for x in whole)
-    nodes = sorted(by_node)
     # Each node reads its share (in proportion to its readers): its own rows, topped up with shared ones.
     quota = [max(0.0, total * len(by_node[n]) / len(readers) - sum(_span_bytes(x) for x in home[n])) for n in nodes]
-    extra = _byte_runs(shared, tuple(nodes), quota if sum(quota) else [1.0] * len(nodes))
+    extra = _byte_runs(shared, nodes, quota if sum(quota) else [1.0] * len(nodes))
     order = {s.name: i for i, s in enumerate(sources)}
     out = {}
     for n in nodes:

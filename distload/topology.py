@@ -57,9 +57,14 @@ class Layout:
 
     @property
     def reader_nodes(self) -> tuple[int, ...]:
-        """The nodes that have a reader. On more than one, each reads the rows its own ranks keep (plan.py),
-        skipping the rest of a tensor."""
+        """The nodes that have a reader."""
         return tuple(sorted({self.node(r) for r in self.readers}))
+
+    @property
+    def reads_by_node(self) -> bool:
+        """Readers on more than one node: each reads the rows its own node's ranks keep (plan.py), skipping
+        the rest of a tensor, so it reads exactly its ranges (no read-ahead into another node's rows)."""
+        return len(self.reader_nodes) > 1
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp

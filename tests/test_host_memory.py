@@ -98,21 +98,24 @@ def test_prefault_fills_the_regions_in_the_background_only_with_a_cpu_to_spare()
     import os
     import time
 
+    from distload.shard import Piece
     from distload.transfer.file_copy import Prefault
 
     t = host_memory.empty((64, 1 << 20), torch.uint8, huge=False)   # 64 MiB, nothing touched
+    params = {"t": t}
+    pieces = [("t", Piece("s", (0, 16), (0, 1 << 20), 0, 0)), ("t", Piece("s", (16, 32), (0, 1 << 20), 32, 0))]
     rss_kib = lambda: int(_mapping_of(t.data_ptr())["Rss"].split()[0])  # noqa: E731
     before = rss_kib()
     cpus = len(os.sched_getaffinity(0))
-    busy = Prefault([t[0:16], t[32:48]], local_ranks=cpus)   # a rank per CPU already: no thread
+    busy = Prefault(params, pieces, local_ranks=cpus)   # a rank per CPU already: no thread
     assert not busy.running
     busy.close()
     assert rss_kib() - before < 1 << 10
-    spare = Prefault([t[0:16], t[32:48]], local_ranks=cpus - 1)
+    spare = Prefault(params, pieces, local_ranks=cpus - 1)
     deadline = time.monotonic() + 30
     while spare.running and time.monotonic() < deadline:
         time.sleep(0.01)
     spare.close()
     if rss_kib() - before < 1 << 10 and not host_memory.populate(t[60:61]):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    assert 31 << 10 <= rss_kib() - before <= 35 << 10   # both 16 MiB regions, not the rest
+    assert 31 << 10 <= rss_kib() - before <= 35 << 10   # both 16 MiB regions (rows 0-15, 32-47), not the rest

@@ -83,7 +83,6 @@ class Transfer:
         biggest_send = max((sum(b.recv_bytes) - b.recv_bytes[b.reader] for b in plan.buckets if not b.broadcast), default=0)
         on_cuda = self.device.type == "cuda"
         mine = [b for b in plan.buckets if b.reader == rank]
-        self.local_world = plan.layout.local_world or self.world
         self.shm = shm_usable(self.world, self.device)
         self._slots: SharedSlots | None = None
         self._attached: dict[tuple[int, int], torch.Tensor] = {}   # other readers' slots this rank has mapped
@@ -131,7 +130,8 @@ class Transfer:
 
     def _via_shm(self, bucket: Bucket, rank: int) -> bool:
         """Does `rank` take its share of this bucket out of the reader's shared memory (same node, p2p)?"""
-        return self.shm and not bucket.broadcast and bucket.reader // self.local_world == rank // self.local_world
+        node = self.plan.layout.node
+        return self.shm and not bucket.broadcast and node(bucket.reader) == node(rank)
 
     def _direct_candidates(self, bucket: Bucket, chunk) -> list:
         """This reader's own pieces of a chunk that may be read from the file straight into its params: whole
@@ -344,7 +344,7 @@ class Transfer:
             return self._post_shm_receive(bucket, n)
         buf = self.recv_pool.get()
         self.stats.bytes_received += n
-        if bucket.reader // self.local_world != me // self.local_world:
+        if self.plan.layout.node(bucket.reader) != self.plan.layout.node(me):
             self.stats.bytes_from_other_nodes += n
         if bucket.broadcast:
             wire = buf[:n]

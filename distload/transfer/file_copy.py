@@ -72,14 +72,17 @@ class Prefault:
     them, on a helper thread, when the rank has a CPU to spare (more CPUs than ranks on the node): zeroing
     a fresh page is CPU work that otherwise runs in line with the copies, between reads that wait on
     storage. A copy that gets there first faults its pages in itself, as it would without this; a region
-    faulted in twice costs nothing more. Measured at world 1 (1 GiB; 4-rank harness alternating the
-    loaders, 10 reps): cold 1.12x -> 0.96x every-rank-reads, warm 0.93x -> 0.67x. With no CPU to spare
-    (4 ranks on 2 cores) the same thread made warm loads slower (1.19x -> 1.41x), so it is not started."""
+    faulted in twice costs nothing more. Measured at world 1 (1 GiB, a 1-rank harness alternating distload
+    with and without it and every-rank-reads, 10 reps): cold 1.12x -> 0.96x every-rank-reads, warm 0.93x ->
+    0.67x. With no CPU to spare (4 ranks on 2 cores) the same thread made warm loads slower (1.19x -> 1.41x),
+    so it is not started, and nothing is computed for it.
 
-    def __init__(self, regions: list[torch.Tensor], local_ranks: int):
-        self._regions, self._stop = regions, threading.Event()
+    pieces: (param name, plan Piece) in copy order; their regions are worked out on the helper thread."""
+
+    def __init__(self, params: dict[str, torch.Tensor], pieces: list, local_ranks: int):
+        self._params, self._pieces, self._stop = params, pieces, threading.Event()
         self._thread = None
-        if regions and _cpus() > local_ranks:
+        if pieces and _cpus() > local_ranks:
             self._thread = threading.Thread(target=self._run, daemon=True, name="distload-prefault")
             self._thread.start()
 
@@ -88,10 +91,10 @@ class Prefault:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
-        for region in self._regions:
+        for param, piece in self._pieces:
             if self._stop.is_set():
                 return
-            host_memory.populate(region)
+            host_memory.populate(piece_bytes(self._params[param], piece))
 
     def close(self) -> None:
         """Stop (the copies are done: what is left is filled already) and wait for the thread."""

@@ -35,7 +35,7 @@ from ..checkpoint import RangeReader
 from ..errors import DistloadError
 from ..plan import Bucket, LoadPlan
 from .agreement import LostPeer
-from .buffers import TransferStats, piece_bytes
+from .buffers import TransferStats
 from .file_copy import Prefault, copy_piece
 from .pull import AllowPulls, borrow_fd, make_room_for_descriptors, why_not_usable
 
@@ -195,7 +195,7 @@ class NodePulls:
             if allow is not None:
                 allow.close()
             self._close_lent()
-        ahead = Prefault([piece_bytes(self.params[it.param], it.piece) for items in self._items for it in items], world)
+        ahead = Prefault(self.params, [(it.param, it.piece) for items in self._items for it in items], world)
         try:
             self._copy_all(world)
         finally:
