@@ -1,7 +1,9 @@
 """Triton twins of the FP8 references: per-tensor amax, elementwise rescale, block quantize/dequantize.
 
 Each kernel does the reference's fp32 arithmetic in the same order with IEEE-rounded division
-(`tl.fdiv(..., ieee_rounding=True)`; Triton's plain `/` may be approximate), then stores into its
+(`tl.math.div_rn`). Not `/`, which is approximate on NVIDIA, and not `tl.fdiv(..., ieee_rounding=True)`:
+measured on an H200 with Triton 3.6, it was approximate too (2-4k of 2M fp8 values off by one step, where
+x / scale is exactly an fp8 midpoint; scripts/gpu_check.sh, BENCHMARKS.md), then stores into its
 output pointer's dtype. The callers pass the real fp8/bf16 output on CUDA and an fp32 buffer under
 the interpreter, where torch then performs the (saturating, round-to-nearest-even) final cast; see
 `backend.cast_in_kernel`.
@@ -61,7 +63,7 @@ def _rescale_kernel(
         else:
             y = y * tl.load(mul_ptr)
     if HAS_DIV:
-        y = tl.fdiv(y, tl.load(div_ptr), ieee_rounding=True)
+        y = tl.math.div_rn(y, tl.load(div_ptr))
     if CLAMP > 0:
         y = _clamp(y, CLAMP)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -120,9 +122,9 @@ def _block_quant_kernel(x_ptr, q_ptr, scale_ptr, N, K, n_tiles_n, n_tiles_k,
     offs, mask = _block_offsets(pid, N, K, n_tiles_n, n_tiles_k, BN, BK, TILE_N, TILE_K)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    scale = tl.fdiv(amax, LIMIT, ieee_rounding=True)
+    scale = tl.math.div_rn(amax, LIMIT)
     scale = tl.where(scale > 0, scale, 1.0)  # all-zero block: any scale works, 1.0 is the harmless one
-    y = _clamp(tl.fdiv(x, scale, ieee_rounding=True), LIMIT)
+    y = _clamp(tl.math.div_rn(x, scale), LIMIT)
     tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + pid, scale)
 

@@ -407,6 +407,46 @@ def test_interpreted_block(shape, block):
     assert_bit_equal(dequantize_fp8_block(q, scale_inv, block), dequantize_fp8_block_reference(q, scale_inv, block))
 
 
+def fp8_midpoint_weights(cols: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w, q, scales): w bf16 [128, cols] whose every [128, 128] block has amax 12.25 (scale 12.25 / 448 =
+    7/256, not a power of two) and otherwise holds +-m * 7/256 for every midpoint m between neighbouring fp8
+    values, so w / scale is exactly a tie (RNE must pick the even neighbour) and a division that is off by
+    an ulp rounds the wrong way (seen on an H200: `tl.fdiv(ieee_rounding=True)`, Triton 3.6). Also a fused
+    fp8 param of two parts whose requantization (part 1's scale is 3/4 of part 0's) lands on midpoints."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    values = values[torch.isfinite(values) & (values > 0)].sort().values
+    middles = (values[1:] + values[:-1]) / 2
+    step = torch.tensor(7 / 256)
+    ties = torch.cat([middles, -middles]) * step
+    w = ties.repeat(-(-128 * cols // len(ties)))[:128 * cols].reshape(128, cols)
+    w[:, ::128] = 448 * step                      # each block's amax
+    assert torch.equal(w.to(torch.bfloat16).float(), w)  # every value exact in bf16
+    q = torch.cat([values, -values]).repeat(-(-128 * cols // (2 * len(values))))[:128 * cols].reshape(128, cols)
+    return w.to(torch.bfloat16), q.to(FP8_DTYPE), torch.stack([step, step * 0.75])
+
+
+@pytest.mark.skipif(not (INTERPRETED or (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9))),
+                    reason="the Triton kernels run under the interpreter (interpreted run) or on an sm89+ GPU")
+def test_interpreted_and_cuda_divisions_round_ties_like_the_references():
+    device = "cpu" if INTERPRETED else "cuda"
+    w, q, scales = fp8_midpoint_weights()
+    exact = w.double() / (7 / 256)
+    assert (exact.abs() != 448).sum() > 0.9 * w.numel()  # mostly ties, not the amax itself
+    q_ref, scale_ref = quantize_fp8_per_tensor_reference(w)
+    assert float(scale_ref) == 7 / 256
+    got, scale = quantize_fp8_per_tensor(w.to(device))
+    assert_bit_equal(got, q_ref)
+    assert torch.equal(scale.cpu(), scale_ref)
+    q_ref, scale_ref = quantize_fp8_block_reference(w, (128, 128))
+    got, scale = quantize_fp8_block(w.to(device), (128, 128))
+    assert_bit_equal(got, q_ref)
+    assert torch.equal(scale.cpu(), scale_ref)
+    expected, expected_scale = requantize_fp8_parts_reference(q.clone(), [64, 64], scales)
+    got, scale = requantize_fp8_parts(q.to(device), [64, 64], scales.to(device))
+    assert_bit_equal(got, expected)
+    assert torch.equal(scale.cpu(), expected_scale)
+
+
 # ---------------------------------------------------------------------------------------------------
 # compiled Triton on a GPU: bit-exact against the CPU references
 # ---------------------------------------------------------------------------------------------------
