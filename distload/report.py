@@ -46,6 +46,7 @@ def rank_record(rank: int, stats, reader, device: str) -> dict:
         peak_device = int(torch.cuda.max_memory_allocated(torch.device(device)))
     return {
         "rank": rank,
+        "device": device,
         "bytes_read": int(reader.bytes_read) if reader is not None else 0,
         "files_opened": len(reader.files_opened) if reader is not None else 0,
         "bytes_received": int(stats.bytes_received),
@@ -92,10 +93,12 @@ def summary_line(report: dict) -> str:
     total = report["seconds"]["total"]
     rate = gb / total if total else 0.0
     peak = max(r["peak_rss_bytes"] for r in report["per_rank"]) / 2**20
+    peak_device = max(r.get("peak_device_bytes", 0) for r in report["per_rank"]) / 2**20
+    on_device = f" peak_device={peak_device:.0f} MiB" if peak_device else ""
     return (f"distload: {'OK' if report['ok'] else 'NOT OK'} {report['family']} "
             f"world={report['world_size']} tp={report['tp']} ep={report['ep']} readers={len(report['readers'])} "
             f"params={report['params']} checkpoint={gb:.3f} GB read={report['storage_bytes_read'] / 1e9:.3f} GB "
-            f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB; {report['verdict']}")
+            f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB{on_device}; {report['verdict']}")
 
 
 class Progress:
