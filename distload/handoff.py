@@ -478,7 +478,8 @@ def load_sharded(path: str, *, tp: int | None = None, ep: int = 1, reshard: bool
     verified = 0
 
     def open_reader():
-        strategy = read_strategy or choose_strategy(str(root), plan.checkpoint_bytes)[0]
+        strategy = read_strategy or choose_strategy(str(root), plan.checkpoint_bytes, topo.device,
+                                                    topo.layout.local_world)[0]
         reader = RangeReader(str(root), strategy=strategy)
         return ChecksumReader(reader, _expected_checksums(plan, rank, manifest)) if checksums else reader
 

@@ -158,7 +158,8 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
             strategy = read_strategy
             log.info("read strategy %s: forced by --read-strategy", strategy)
         else:
-            strategy, _ = choose_strategy(index.root, index.total_bytes)  # logs its reason
+            strategy, _ = choose_strategy(index.root, index.total_bytes, topo.device,
+                                          topo.layout.local_world)  # logs its reason
         from .dcp import DcpIndex, DcpReader
 
         exact = topo.layout.reads_by_node

@@ -431,6 +431,14 @@ def test_choose_strategy(tmp_path, monkeypatch):
     strategy, reason = choose_strategy(tmp_path, checkpoint_bytes=1)
     assert strategy == "plain" and "xfs" in reason and "local" in reason
 
+    # params on a GPU: threaded reads when each rank of the node has 4 CPUs, plain reads otherwise
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    strategy, reason = choose_strategy(tmp_path, checkpoint_bytes=1, device="cuda:0", ranks_on_node=1)
+    assert strategy == "threaded" and "cuda:0" in reason and "16 CPUs" in reason
+    assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cuda:0", ranks_on_node=4)[0] == "threaded"
+    assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cuda:0", ranks_on_node=8)[0] == "plain"
+    assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cpu", ranks_on_node=1)[0] == "plain"
+
 
 def test_evict_from_page_cache(tmp_path):
     (tmp_path / "f").write_bytes(b"x" * 4096)

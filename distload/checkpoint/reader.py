@@ -44,6 +44,10 @@ _BOUNCE_BYTES = 8 * 1024 * 1024
 # at most THREADED_WORKERS of them in flight.
 THREADED_PIECE_BYTES = 4 * 1024 * 1024
 THREADED_WORKERS = 8
+# A rank whose params live on a device reads into a host buffer first; one thread's copies out of the page
+# cache cap that (4.4 GB/s warm on an H200 host, against 6.1 GB/s threaded and 55 GB/s pinned H2D:
+# BENCHMARKS.md). With at least this many CPUs per rank of the node, threaded reads are chosen there.
+THREADED_MIN_CPUS_PER_RANK = 4
 
 
 class RangeReader:
@@ -310,8 +314,10 @@ def _as_byte_view(out: memoryview | torch.Tensor) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def choose_strategy(root: str | os.PathLike, checkpoint_bytes: int | None = None) -> tuple[str, str]:
-    """Pick a read strategy from the file system type of `root` and free RAM; returns (strategy, reason)."""
+def choose_strategy(root: str | os.PathLike, checkpoint_bytes: int | None = None, device: str = "cpu",
+                    ranks_on_node: int = 1) -> tuple[str, str]:
+    """Pick a read strategy from the file system type of `root`, free RAM and, for params on a device, the
+    CPUs each rank of the node has; returns (strategy, reason)."""
     real = os.path.realpath(root)
     fstype, mountpoint = _filesystem_of(real)
     if checkpoint_bytes is None:
@@ -319,8 +325,15 @@ def choose_strategy(root: str | os.PathLike, checkpoint_bytes: int | None = None
     available = psutil.virtual_memory().available
     gib = 1024**3
     where = f"{real} is on {fstype} (mounted at {mountpoint})"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if not fstype.startswith(NETWORK_FS_PREFIXES):
-        strategy, reason = "plain", f"{where}, a local file system: kernel readahead suffices"
+        if not device.startswith("cpu") and cpus >= THREADED_MIN_CPUS_PER_RANK * max(ranks_on_node, 1):
+            strategy, reason = "threaded", (
+                f"{where}, a local file system, and params on {device} with {cpus} CPUs for {ranks_on_node} "
+                f"rank(s) of this node: {THREADED_WORKERS} concurrent preads per range fill the host buffer "
+                f"faster than one thread")
+        else:
+            strategy, reason = "plain", f"{where}, a local file system: kernel readahead suffices"
     elif checkpoint_bytes < PREFETCH_RAM_FRACTION * available:
         strategy, reason = "prefetch", (
             f"{where}, a network file system, and the checkpoint ({checkpoint_bytes / gib:.1f} GiB) is under "

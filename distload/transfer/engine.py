@@ -106,9 +106,10 @@ class Transfer:
         self._direct_reads = {(b.index, c): self._direct_candidates(b, c) for b in mine for c in b.chunks}
         self._mine = mine
         self._place = {b.index: i for i, b in enumerate(mine)}   # of each bucket in this reader's order
-        # The read-ahead thread overlaps reading with the wire. Alone (world 1) there is nothing to overlap,
-        # and every hand-off between threads costs a wake-up (milliseconds on a busy machine): read inline.
-        self.read_ahead = ReadAhead(mine, self._fill, self.read_pool) if mine and self.world > 1 else None
+        # The read-ahead thread overlaps reading with the wire (and, on CUDA, with the copies to the device).
+        # Alone on a host there is nothing to overlap, and every hand-off between threads costs a wake-up
+        # (milliseconds on a busy machine): read inline.
+        self.read_ahead = ReadAhead(mine, self._fill, self.read_pool) if mine and (self.world > 1 or on_cuda) else None
 
     # -- where bytes go ------------------------------------------------------------------------------
 
