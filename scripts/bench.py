@@ -69,9 +69,10 @@ ONE_NODE_ONLY = ("distload-owners",)  # refused across nodes (it would read a te
 TWO_NODES_ONLY = ("distload-1reader",)
 # Not in the default set: distload with every rank a reader (each byte still read once: the readers split
 # the checkpoint), distload with its same-node shared memory turned off, distload with huge-page params
-# (DISTLOAD_HUGEPAGES=1, see distload/host_memory.py), and the baseline filling huge-page params too (what
-# that allocation alone changes).
-EXTRA_LOADERS = ("distload-all-readers", "distload-noshm", "distload-thp", "every-rank-reads-thp")
+# (DISTLOAD_HUGEPAGES=1, see distload/host_memory.py), the baseline filling huge-page params too (what
+# that allocation alone changes), and distload with `--read-strategy threaded` (several preads per range at
+# once: what a host with cores to spare, e.g. one rank per GPU, gains from reading in parallel).
+EXTRA_LOADERS = ("distload-all-readers", "distload-noshm", "distload-thp", "every-rank-reads-thp", "distload-threaded")
 BASELINE = "every-rank-reads"
 
 
@@ -349,11 +350,11 @@ class Context:
         return None
 
 
-def load_distload(ctx: Context, readers):
+def load_distload(ctx: Context, readers, read_strategy: str | None = None):
     import distload
 
     result = distload.load(ctx.ckpt, tp=ctx.world, readers=readers, staging_mib=ctx.staging_mib, progress=False,
-                           device=ctx.device)
+                           device=ctx.device, read_strategy=read_strategy)
     return result.params, result.report["per_rank"][ctx.rank]["bytes_received"]
 
 
@@ -458,6 +459,8 @@ def run_loader(ctx: Context, loader: str):
         return load_distload(ctx, ctx.world)
     if loader == "distload-owners":
         return load_distload(ctx, "owners")
+    if loader == "distload-threaded":
+        return load_distload(ctx, "per-node", read_strategy="threaded")
     switched = {"distload-noshm": ("DISTLOAD_SHM", "0"), "distload-thp": ("DISTLOAD_HUGEPAGES", "1")}
     if loader in switched:
         name, value = switched[loader]
@@ -638,7 +641,6 @@ def worker_args(ckpt: str, jsonl: Path, args, loaders: list[str]) -> list[str]:
 def child_env() -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -854,7 +856,7 @@ def chart(summary: list[dict], path: Path) -> None:
     at = {(s["scenario"], s["cache"], s["loader"]): s for s in summary}
     colors = {"distload": "#1f77b4", "distload-1reader": "#6baed6", "distload-owners": "#ff7f0e", BASELINE: "#d62728",
               "fastsafetensors": "#2ca02c", "dcp": "#9467bd", "distload-noshm": "#17becf",
-              "distload-all-readers": "#08306b"}
+              "distload-all-readers": "#08306b", "distload-threaded": "#9ecae1"}
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(groups) + 2), 7.5), sharex=True)
     width = 0.8 / max(len([n for n in loaders if any(at.get((sc, c, n)) for sc, c in groups)]), 1)
     for k, (metric, label, scale) in enumerate((("seconds", "load time (s, median)", 1),
