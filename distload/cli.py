@@ -22,6 +22,8 @@ def _readers(value: str):
 
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
+    from .checkpoint.reader import STRATEGIES
+
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides the world size)")
     p.add_argument("--readers", type=_readers, default="per-node",
@@ -34,8 +36,9 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="process-group timeout, seconds")
     p.add_argument("--staging-mib", type=int, default=None,
                    help="size of one staging buffer (one bucket), MiB (default 16); a reader holds 4")
-    p.add_argument("--read-strategy", default=None, choices=["plain", "threaded", "prefetch", "odirect"],
-                   help="force a read strategy (default: chosen from the file system and free RAM)")
+    p.add_argument("--read-strategy", default=None, choices=STRATEGIES,
+                   help="force a read strategy (default: chosen from the file system, free RAM, the device and "
+                        "the CPUs per rank; the choice and its reason are logged)")
     p.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"])
     p.add_argument("--expert-map", default=None, help="EPLB JSON file: per rank, the global expert ids it hosts")
     p.add_argument("--save-sharded", default=None, metavar="OUT", help="write each rank's shards + manifest to OUT")

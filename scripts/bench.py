@@ -53,6 +53,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+from distload.checkpoint import STRATEGIES as READ_STRATEGIES  # noqa: E402  (distload-<strategy> loaders)
+
 # A Llama-2/TinyLlama-shaped decoder; the layer count is chosen to hit the requested size.
 LLAMA_SHAPE = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
@@ -70,9 +72,10 @@ TWO_NODES_ONLY = ("distload-1reader",)
 # Not in the default set: distload with every rank a reader (each byte still read once: the readers split
 # the checkpoint), distload with its same-node shared memory turned off, distload with huge-page params
 # (DISTLOAD_HUGEPAGES=1, see distload/host_memory.py), the baseline filling huge-page params too (what
-# that allocation alone changes), and distload with `--read-strategy threaded` (several preads per range at
-# once: what a host with cores to spare, e.g. one rank per GPU, gains from reading in parallel).
-EXTRA_LOADERS = ("distload-all-readers", "distload-noshm", "distload-thp", "every-rank-reads-thp", "distload-threaded")
+# that allocation alone changes), and distload with each `--read-strategy` forced (distload-plain,
+# distload-threaded, ...: what the automatic choice, logged per load, gains or loses).
+EXTRA_LOADERS = ("distload-all-readers", "distload-noshm", "distload-thp", "every-rank-reads-thp",
+                 *(f"distload-{s}" for s in READ_STRATEGIES))
 BASELINE = "every-rank-reads"
 
 
@@ -459,8 +462,9 @@ def run_loader(ctx: Context, loader: str):
         return load_distload(ctx, ctx.world)
     if loader == "distload-owners":
         return load_distload(ctx, "owners")
-    if loader == "distload-threaded":
-        return load_distload(ctx, "per-node", read_strategy="threaded")
+    forced = loader.removeprefix("distload-")
+    if forced in READ_STRATEGIES:
+        return load_distload(ctx, "per-node", read_strategy=forced)
     switched = {"distload-noshm": ("DISTLOAD_SHM", "0"), "distload-thp": ("DISTLOAD_HUGEPAGES", "1")}
     if loader in switched:
         name, value = switched[loader]

@@ -418,7 +418,7 @@ FakePartition = namedtuple("FakePartition", "device mountpoint fstype opts")
 
 
 def test_choose_strategy(tmp_path, monkeypatch):
-    strategy, reason = choose_strategy(tmp_path)
+    strategy, reason = choose_strategy(tmp_path, ranks_on_node=4)
     assert strategy in ("plain", "prefetch") and str(tmp_path.resolve()) in reason
 
     parts = [FakePartition("/dev/vda", "/", "ext4", "rw"), FakePartition("srv:/x", str(tmp_path.resolve()), "nfs4", "rw")]
@@ -428,8 +428,11 @@ def test_choose_strategy(tmp_path, monkeypatch):
     assert strategy == "threaded" and "nfs4" in reason  # too big to prefetch: concurrent preads instead
 
     parts[1] = FakePartition("/dev/vdb", str(tmp_path.resolve()), "xfs", "rw")
-    strategy, reason = choose_strategy(tmp_path, checkpoint_bytes=1)
+    strategy, reason = choose_strategy(tmp_path, checkpoint_bytes=1, ranks_on_node=4)
     assert strategy == "plain" and "xfs" in reason and "local" in reason
+    # a lone reader on its node: uncached pages as concurrent preads, cached ones inline
+    strategy, reason = choose_strategy(tmp_path, checkpoint_bytes=1, ranks_on_node=1)
+    assert strategy == "threaded-cold" and "one rank on this node" in reason
 
     # params on a GPU: threaded reads when each rank of the node has 4 CPUs, plain reads otherwise
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
@@ -437,7 +440,7 @@ def test_choose_strategy(tmp_path, monkeypatch):
     assert strategy == "threaded" and "cuda:0" in reason and "16 CPUs" in reason
     assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cuda:0", ranks_on_node=4)[0] == "threaded"
     assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cuda:0", ranks_on_node=8)[0] == "plain"
-    assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cpu", ranks_on_node=1)[0] == "plain"
+    assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cpu", ranks_on_node=2)[0] == "plain"
 
 
 def test_evict_from_page_cache(tmp_path):
@@ -614,3 +617,47 @@ def test_exact_reader_prefetches_exactly_what_it_is_told(tmp_path):
             assert not any(cached[:lo // page]) and not any(cached[(lo + n) // page:]), "more than the range"
         else:
             assert not any(cached)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="preadv2 RWF_NOWAIT: Linux")
+def test_threaded_cold_copies_cached_pages_inline_and_reads_the_rest_in_threads(tmp_path):
+    import time
+
+    path = tmp_path / "f"
+    data = os.urandom(1 << 20) * 24
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    out = torch.empty(len(data), dtype=torch.uint8)
+    path.read_bytes()  # every page cached: one inline copy, no thread started
+    with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
+        reader.read_into("f", 0, out)
+        assert bytes(out.numpy()) == data and reader._pool is None
+
+    def cache_only_the_head(head: int) -> None:  # no read-ahead on this descriptor
+        evict_from_page_cache(path)
+        if any(_cached_pages(path)):
+            pytest.skip("this file system keeps the file cached (tmpfs?): page-cache state cannot be observed")
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, head, 0)
+        os.close(fd)
+
+    head = 6 << 20
+    cache_only_the_head(head)
+    with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
+        probe = memoryview(bytearray(len(data)))
+        cached = reader._read_cached("f", reader.fd_of("f"), 0, probe)
+        assert 0.9 * head <= cached < len(data) and bytes(probe[:cached]) == data[:cached]
+    time.sleep(0.3)  # a miss under RWF_NOWAIT may still start read-ahead: let it land before evicting again
+    cache_only_the_head(head)
+    with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
+        out.zero_()
+        reader.read_into("f", 0, out)  # the cached head inline, the rest from storage in threads
+        assert bytes(out.numpy()) == data and reader._pool is not None
+    with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
+        reader._nowait = False  # a file system that refuses RWF_NOWAIT: every byte through the threads
+        out.zero_()
+        reader.read_into("f", 3, out[:len(data) - 3])
+        assert bytes(out[:len(data) - 3].numpy()) == data[3:]
