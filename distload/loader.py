@@ -158,8 +158,12 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
             strategy = read_strategy
             log.info("read strategy %s: forced by --read-strategy", strategy)
         else:
-            strategy, _ = choose_strategy(index.root, index.total_bytes, topo.device,
-                                          topo.layout.local_world)  # logs its reason
+            layout = topo.layout
+            # Owner reads and node pulls: every rank of the node reads; the bucketed transfer: its readers.
+            here = layout.node(topo.rank)
+            reading = layout.local_world if owners or pulls else sum(layout.node(r) == here for r in layout.readers)
+            strategy, _ = choose_strategy(index.root, index.total_bytes, topo.device, layout.local_world,
+                                          reading)  # logs its reason
         from .dcp import DcpIndex, DcpReader
 
         exact = topo.layout.reads_by_node

@@ -56,6 +56,7 @@ def rank_record(rank: int, stats, reader, device: str) -> dict:
         "peak_device_bytes": peak_device,
         "io_read_bytes": process_io_read_bytes(),
         "transfer_path": stats.path,
+        "read_strategy": getattr(reader, "strategy", None),  # None: this rank opened no weight file
     }
 
 

@@ -432,7 +432,7 @@ def test_choose_strategy(tmp_path, monkeypatch):
     assert strategy == "plain" and "xfs" in reason and "local" in reason
     # a lone reader on its node: uncached pages as concurrent preads, cached ones inline
     strategy, reason = choose_strategy(tmp_path, checkpoint_bytes=1, ranks_on_node=1)
-    assert strategy == "threaded-cold" and "one rank on this node" in reason
+    assert strategy == "threaded-cold" and "one rank of this node reads" in reason
 
     # params on a GPU: threaded reads when each rank of the node has 4 CPUs, plain reads otherwise
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
@@ -441,6 +441,12 @@ def test_choose_strategy(tmp_path, monkeypatch):
     assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cuda:0", ranks_on_node=4)[0] == "threaded"
     assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cuda:0", ranks_on_node=8)[0] == "plain"
     assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cpu", ranks_on_node=2)[0] == "plain"
+    # 8 GPUs and 16 CPUs: 2 per rank, too few for threads copying cached pages; the node's one reader gets
+    # threads for what is not cached (the other ranks receive over NCCL)
+    assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cuda:0", ranks_on_node=8,
+                           reading_on_node=1)[0] == "threaded-cold"
+    assert choose_strategy(tmp_path, checkpoint_bytes=1, device="cpu", ranks_on_node=4,
+                           reading_on_node=4)[0] == "plain"
 
 
 def test_evict_from_page_cache(tmp_path):

@@ -62,6 +62,9 @@ def test_dense_families_exact(dense_checkpoints, tmp_path, world):
     # one node: every rank copied its pieces from the files rank 0 opened (world 1: the one owner reads)
     paths = {r["transfer_path"] for rep in results[0]["reports"].values() for r in rep["per_rank"]}
     assert paths == {"node-pulls" if world > 1 else "owner-reads"}, paths
+    # a lone reader gets concurrent reads for what is not cached; ranks that all read keep plain reads
+    strategies = {r["read_strategy"] for rep in results[0]["reports"].values() for r in rep["per_rank"]}
+    assert strategies == {"threaded-cold" if world == 1 else "plain"}, strategies
     # only rank 0 (the one reader of this single node) ever opened a weight file
     assert results[0]["opened"], "rank 0 read nothing?"
     assert all(not r["opened"] for r in results[1:]), [r["opened"] for r in results[1:]]

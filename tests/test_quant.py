@@ -499,6 +499,15 @@ def test_fp8_loads_at_tp2(checkpoints, tmp_path):
         assert report["ok"] and report["quantization"], case
         worst = max(max(r["errors"][case].values()) for r in results)
         print(f"{case}: worst relative Frobenius error {worst:.4f}")
+    # Post-load steps take the bucketed transfer: rank 0 is the node's one reader (concurrent reads for what
+    # is not cached), rank 1 opens no weight file; without them both ranks copy from the files (plain reads).
+    bucketed = 0
+    for case, *_ in CASES:
+        per_rank = results[0]["reports"][case]["per_rank"]
+        want = ["plain", "plain"] if per_rank[1]["transfer_path"] == "node-pulls" else ["threaded-cold", None]
+        assert [r["read_strategy"] for r in per_rank] == want, (case, per_rank)
+        bucketed += want[1] is None
+    assert bucketed >= 3, bucketed
     # Online quantization holds the high-precision copy of about one layer, not the model's.
     for case in ("online fp8 llama", "online fp8-block llama"):
         for r in results[0]["reports"][case]["per_rank"]:

@@ -346,9 +346,13 @@ def _as_byte_view(out: memoryview | torch.Tensor) -> memoryview:
 
 
 def choose_strategy(root: str | os.PathLike, checkpoint_bytes: int | None = None, device: str = "cpu",
-                    ranks_on_node: int = 1) -> tuple[str, str]:
+                    ranks_on_node: int = 1, reading_on_node: int | None = None) -> tuple[str, str]:
     """Pick a read strategy from the file system type of `root`, free RAM and, for params on a device, the
-    CPUs each rank of the node has; returns (strategy, reason)."""
+    CPUs each rank of the node has; returns (strategy, reason). reading_on_node: how many ranks of the node
+    read the files at once (all of them when each copies its own pieces; its readers otherwise; default
+    ranks_on_node): a lone one is a single stream."""
+    if reading_on_node is None:
+        reading_on_node = ranks_on_node
     real = os.path.realpath(root)
     fstype, mountpoint = _filesystem_of(real)
     if checkpoint_bytes is None:
@@ -363,10 +367,10 @@ def choose_strategy(root: str | os.PathLike, checkpoint_bytes: int | None = None
                 f"{where}, a local file system, and params on {device} with {cpus} CPUs for {ranks_on_node} "
                 f"rank(s) of this node: {THREADED_WORKERS} concurrent preads per range fill the host buffer "
                 f"faster than one thread")
-        elif ranks_on_node <= 1:
+        elif reading_on_node <= 1:
             strategy, reason = "threaded-cold", (
-                f"{where}, a local file system, and one rank on this node: pages not yet cached are read as "
-                f"{THREADED_WORKERS} concurrent preads per range (one stream leaves most disks idle), cached "
+                f"{where}, a local file system, and one rank of this node reads: pages not yet cached are read "
+                f"as {THREADED_WORKERS} concurrent preads per range (one stream leaves most disks idle), cached "
                 f"ones copied inline")
         else:
             strategy, reason = "plain", f"{where}, a local file system: kernel readahead suffices"
@@ -432,6 +436,10 @@ class ReaderWrapper:
     @property
     def files_opened(self):
         return self.inner.files_opened
+
+    @property
+    def strategy(self) -> str | None:
+        return getattr(self.inner, "strategy", None)
 
     def prefetch(self, entry_file: str, offset: int, nbytes: int) -> None:
         """Nothing: the ranges named are of the outer (virtual) file, not of the inner reader's files."""
