@@ -160,8 +160,7 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
         else:
             layout = topo.layout
             # Owner reads and node pulls: every rank of the node reads; the bucketed transfer: its readers.
-            here = layout.node(topo.rank)
-            reading = layout.local_world if owners or pulls else sum(layout.node(r) == here for r in layout.readers)
+            reading = layout.local_world if owners or pulls else len(layout.readers_on(layout.node(topo.rank)))
             strategy, _ = choose_strategy(index.root, index.total_bytes, topo.device, layout.local_world,
                                           reading)  # logs its reason
         from .dcp import DcpIndex, DcpReader

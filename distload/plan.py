@@ -508,7 +508,7 @@ def _reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]
     if not layout.reads_by_node:
         return _byte_runs(whole, readers, [total / len(readers)] * len(readers))
     nodes = layout.reader_nodes
-    by_node = {n: [r for r in readers if layout.node(r) == n] for n in nodes}
+    by_node = {n: layout.readers_on(n) for n in nodes}
     home: dict[int, list[Span]] = {n: [] for n in by_node}
     shared: list[Span] = []
     for s in sources:
@@ -523,7 +523,7 @@ def _reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]
     for n in nodes:
         spans = _merged(sorted(home[n] + extra[n], key=lambda x: (order[x[0].name], x[1])))
         share = sum(_span_bytes(x) for x in spans) / len(by_node[n])
-        out.update(_byte_runs(spans, tuple(by_node[n]), [share] * len(by_node[n])))
+        out.update(_byte_runs(spans, by_node[n], [share] * len(by_node[n])))
     return out
 
 

@@ -55,6 +55,10 @@ class Layout:
         """The node `rank` runs on (torchrun numbers ranks node by node)."""
         return rank // self.local_world if self.local_world else 0
 
+    def readers_on(self, node: int) -> tuple[int, ...]:
+        """The reader ranks of one node."""
+        return tuple(r for r in self.readers if self.node(r) == node)
+
     @property
     def reader_nodes(self) -> tuple[int, ...]:
         """The nodes that have a reader."""

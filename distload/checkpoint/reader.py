@@ -212,12 +212,11 @@ class RangeReader:
         copying inline what the page cache already holds from its start)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        if self.strategy == "threaded-cold":
-            cached = self._read_cached(rel, fd, offset, view)
-            if cached == len(view):
-                return cached
-            if cached:
-                return cached + self._read_threaded(rel, fd, offset + cached, view[cached:])
+        total = len(view)
+        cached = self._read_cached(rel, fd, offset, view) if self.strategy == "threaded-cold" else 0
+        if cached == total:
+            return total
+        offset, view = offset + cached, view[cached:]
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(THREADED_WORKERS, thread_name_prefix="distload-pread")
@@ -229,7 +228,7 @@ class RangeReader:
             f.exception()
         for f in futures:
             f.result()
-        return wanted
+        return total
 
     def _read_cached(self, rel: str, fd: int, offset: int, view: memoryview) -> int:
         """Bytes of the range's start that the page cache holds, copied into `view` without waiting for
@@ -360,7 +359,7 @@ def choose_strategy(root: str | os.PathLike, checkpoint_bytes: int | None = None
     available = psutil.virtual_memory().available
     gib = 1024**3
     where = f"{real} is on {fstype} (mounted at {mountpoint})"
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cpus()
     if not fstype.startswith(NETWORK_FS_PREFIXES):
         if not device.startswith("cpu") and cpus >= THREADED_MIN_CPUS_PER_RANK * max(ranks_on_node, 1):
             strategy, reason = "threaded", (
@@ -387,6 +386,11 @@ def choose_strategy(root: str | os.PathLike, checkpoint_bytes: int | None = None
         )
     log.info("read strategy %s: %s", strategy, reason)
     return strategy, reason
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or job's share, not the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _filesystem_of(path: str) -> tuple[str, str]:

@@ -14,13 +14,13 @@ pulls (node_pull.py: each rank reads through descriptors borrowed from its reade
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import warnings
 
 import torch
 
 from .. import host_memory
+from ..checkpoint.reader import usable_cpus
 from ..dtypes import torch_dtype
 from ..shard import view2d
 from .buffers import piece_bytes, write_piece
@@ -82,7 +82,7 @@ class Prefault:
     def __init__(self, params: dict[str, torch.Tensor], pieces: list, local_ranks: int):
         self._params, self._pieces, self._stop = params, pieces, threading.Event()
         self._thread = None
-        if pieces and _cpus() > local_ranks:
+        if pieces and usable_cpus() > local_ranks:
             self._thread = threading.Thread(target=self._run, daemon=True, name="distload-prefault")
             self._thread.start()
 
@@ -102,6 +102,3 @@ class Prefault:
         if self._thread is not None:
             self._thread.join()
 
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
