@@ -14,6 +14,7 @@ import torch
 from . import host_memory
 from . import topology as topo_mod
 from .checkpoint import RangeReader, choose_strategy, discover
+from .checkpoint.early_fetch import start_early_fetch
 from .dtypes import torch_dtype
 from .errors import CheckpointError, PlanError
 from .integrity import checksum_problems, checksum_verdict, files_for_reader, finite_verdict, nonfinite
@@ -52,8 +53,9 @@ def _phase(name: str, fn):
     return result
 
 
-def _discover_on_rank0(path: str, hf_config: str | None = None, rules_path: str | None = None):
-    """Headers are parsed once, on rank 0, and shared as metadata: no other rank opens them."""
+def _discover_on_rank0(path: str, hf_config: str | None = None, rules_path: str | None = None, on_index=None):
+    """Headers are parsed once, on rank 0, and shared as metadata: no other rank opens them.
+    on_index: called on rank 0 with the index as soon as it is known (before it is sent)."""
     from .dcp import discover_dcp, is_dcp
 
     def discover_here():
@@ -69,6 +71,8 @@ def _discover_on_rank0(path: str, hf_config: str | None = None, rules_path: str 
             raise CheckpointError(f"{index.root}: config.json is missing or empty; distload plans from the "
                                   "model's config (architectures, head counts, sizes): put the model's "
                                   "config.json next to the weights, or pass --hf-config DIR")
+        if on_index is not None:
+            on_index(index)
         return index
     return computed_on_rank0(discover_here)
 
@@ -112,7 +116,15 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     rank = topo.rank
     clock.lap("topology")
 
-    index = _phase("discover", lambda: _discover_on_rank0(str(path), hf_config, config))
+    early = None
+
+    def fetch_early(index):
+        # One node only, and not around the page cache (checkpoint/early_fetch.py says why).
+        nonlocal early
+        if topo.layout.one_node and read_strategy != "odirect":
+            early = start_early_fetch(index, topo.layout.local_world or topo.layout.world)
+
+    index = _phase("discover", lambda: _discover_on_rank0(str(path), hf_config, config, on_index=fetch_early))
     clock.lap("discover")
 
     staging = int(staging_mib * (1 << 20)) if staging_mib else DEFAULT_STAGING_BYTES  # a fraction: small tests
@@ -181,6 +193,8 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
         clock.lap("postprocess")
 
     record = rank_record(rank, transfer.stats, reader, topo.device)
+    # Joined here, long after it finished (it only asks); after a failed phase its daemon thread ends alone.
+    record["early_fetch_bytes"] = early.close() if early is not None else 0
     if verify_checksums:
         record["checksum_files_verified"] = len(files_for_reader(index.files, topo.layout.readers, rank))
     if post is not None:

@@ -72,9 +72,12 @@ TWO_NODES_ONLY = ("distload-1reader",)
 # Not in the default set: distload with every rank a reader (each byte still read once: the readers split
 # the checkpoint), distload with its same-node shared memory turned off, distload with huge-page params
 # (DISTLOAD_HUGEPAGES=1, see distload/host_memory.py), the baseline filling huge-page params too (what
-# that allocation alone changes), and distload with each `--read-strategy` forced (distload-plain,
-# distload-threaded, ...: what the automatic choice, logged per load, gains or loses).
-EXTRA_LOADERS = ("distload-all-readers", "distload-noshm", "distload-thp", "every-rank-reads-thp",
+# that allocation alone changes), distload without its early fetch of the checkpoint's start on one node
+# (DISTLOAD_EARLY_FETCH_MIB=0, see distload/checkpoint/early_fetch.py), and distload with each
+# `--read-strategy` forced (distload-plain, distload-threaded, ...: what the automatic choice, logged per
+# load, gains or loses).
+EXTRA_LOADERS = ("distload-all-readers", "distload-noshm", "distload-thp", "distload-no-early-fetch",
+                 "every-rank-reads-thp",
                  *(f"distload-{s}" for s in READ_STRATEGIES))
 BASELINE = "every-rank-reads"
 
@@ -465,7 +468,8 @@ def run_loader(ctx: Context, loader: str):
     forced = loader.removeprefix("distload-")
     if forced in READ_STRATEGIES:
         return load_distload(ctx, "per-node", read_strategy=forced)
-    switched = {"distload-noshm": ("DISTLOAD_SHM", "0"), "distload-thp": ("DISTLOAD_HUGEPAGES", "1")}
+    switched = {"distload-noshm": ("DISTLOAD_SHM", "0"), "distload-thp": ("DISTLOAD_HUGEPAGES", "1"),
+                "distload-no-early-fetch": ("DISTLOAD_EARLY_FETCH_MIB", "0")}
     if loader in switched:
         name, value = switched[loader]
         os.environ[name] = value

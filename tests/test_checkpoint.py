@@ -32,8 +32,9 @@ from distload.checkpoint import (
     load_legacy_file,
     parse_safetensors_header,
 )
+from distload.checkpoint.early_fetch import early_fetch_ranges, start_early_fetch
 from distload.dtypes import TORCH_TO_SAFETENSORS
-from distload.errors import CheckpointError
+from distload.errors import CheckpointError, DistloadError
 
 
 def golden_tensors(offset: int = 0) -> dict[str, torch.Tensor]:
@@ -667,3 +668,65 @@ def test_threaded_cold_copies_cached_pages_inline_and_reads_the_rest_in_threads(
         out.zero_()
         reader.read_into("f", 3, out[:len(data) - 3])
         assert bytes(out[:len(data) - 3].numpy()) == data[3:]
+
+
+Entry = namedtuple("Entry", "name file offset nbytes")
+
+
+def test_early_fetch_ranges_follow_a_tp_split_of_the_first_tensors():
+    """Each stream takes the front of its part of each tensor, in file order, until its share of the budget
+    is spent; small tensors go whole to one stream; the streams' heads are asked for first."""
+    mib = 1 << 20
+    tensors = [Entry("b", "2.st", 100, 8 * mib), Entry("small", "1.st", 50, 1000),
+               Entry("a", "1.st", 2000, 16 * mib), Entry("empty", "1.st", 2000, 0), Entry("stray", "x.st", 0, mib)]
+    ranges = early_fetch_ranges(tensors, ("1.st", "2.st"), streams=4, budget=24 * mib)
+    per_stream = 6 * mib
+    # file 1 first: the small tensor whole (stream 0), then `a` in four 4 MiB parts; then the front of each
+    # 2 MiB part of `b`, as much as each stream has left of its 6 MiB (stream 0: less the small tensor)
+    assert sorted(ranges) == [("1.st", 50, 1000), ("1.st", 2000, 4 * mib), ("1.st", 2000 + 4 * mib, 4 * mib),
+                              ("1.st", 2000 + 8 * mib, 4 * mib), ("1.st", 2000 + 12 * mib, 4 * mib),
+                              ("2.st", 100, 2 * mib - 1000), ("2.st", 100 + 2 * mib, 2 * mib),
+                              ("2.st", 100 + 4 * mib, 2 * mib), ("2.st", 100 + 6 * mib, 2 * mib)]
+    assert sum(n for _, _, n in ranges) == 4 * per_stream
+    assert not any(f == "x.st" for f, _, _ in ranges), "a file the index does not list"
+    # a budget larger than the checkpoint asks for every byte once; none for a budget of 0
+    whole = early_fetch_ranges(tensors, ("1.st", "2.st"), streams=4, budget=1 << 40)
+    assert sum(n for _, _, n in whole) == 24 * mib + 1000
+    assert early_fetch_ranges(tensors, ("1.st", "2.st"), streams=4, budget=0) == []
+    # streams interleave: every stream's first range comes before any stream's second
+    heads = early_fetch_ranges([Entry("a", "1.st", 0, 64 * mib), Entry("b", "1.st", 64 * mib, 64 * mib)],
+                               ("1.st",), streams=2, budget=128 * mib)
+    assert heads == [("1.st", 0, 32 * mib), ("1.st", 32 * mib, 32 * mib), ("1.st", 64 * mib, 32 * mib),
+                     ("1.st", 96 * mib, 32 * mib)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore, posix_fadvise: Linux")
+def test_early_fetch_brings_in_exactly_the_start_of_the_checkpoint(tmp_path, monkeypatch):
+    """Started on an evicted checkpoint, the fetch brings the ranges it names into the page cache (the ranks
+    then copy them without waiting on storage) and nothing after them."""
+    import time
+
+    tensors = {f"t{i}": torch.full((4, 1 << 18), i, dtype=torch.float32) for i in range(6)}  # 4 MiB each
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    path = tmp_path / "model.safetensors"
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+    index = discover(tmp_path)
+    evict_from_page_cache(path)
+    if any(_cached_pages(path)):
+        pytest.skip("this file system keeps the file cached (tmpfs?): page-cache state cannot be observed")
+    monkeypatch.setenv("DISTLOAD_EARLY_FETCH_MIB", "8")
+    fetch = start_early_fetch(index, streams=2)
+    assert fetch.close() == 8 << 20
+    time.sleep(0.3)  # WILLNEED starts the reads; let them land
+    cached, page = _cached_pages(path), 4096
+    first = sorted(index.tensors.values(), key=lambda e: e.offset)[:2]  # 4 MiB each: 8 MiB, two streams
+    lo, hi = first[0].offset // page, -(-(first[1].offset + first[1].nbytes) // page)
+    assert sum(cached[lo:hi]) >= 0.9 * (hi - lo), "the start of the checkpoint did not come in"
+    assert not any(cached[hi + 1:]), f"{sum(cached[hi + 1:])} pages after the fetched ranges came in too"
+    monkeypatch.setenv("DISTLOAD_EARLY_FETCH_MIB", "0")
+    assert start_early_fetch(index, streams=2) is None
+    monkeypatch.setenv("DISTLOAD_EARLY_FETCH_MIB", "lots")
+    with pytest.raises(DistloadError, match="DISTLOAD_EARLY_FETCH_MIB='lots'.*0 turns"):
+        start_early_fetch(index, streams=2)

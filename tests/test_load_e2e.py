@@ -65,6 +65,10 @@ def test_dense_families_exact(dense_checkpoints, tmp_path, world):
     # a lone reader gets concurrent reads for what is not cached; ranks that all read keep plain reads
     strategies = {r["read_strategy"] for rep in results[0]["reports"].values() for r in rep["per_rank"]}
     assert strategies == {"threaded-cold" if world == 1 else "plain"}, strategies
+    # rank 0 asked storage for the start of each checkpoint while the ranks planned: all of these small ones
+    for fam, path in dense_checkpoints.items():
+        asked = [r["early_fetch_bytes"] for r in results[0]["reports"][fam]["per_rank"]]
+        assert asked == [tensor_bytes(path)] + [0] * (world - 1), (fam, asked)
     # only rank 0 (the one reader of this single node) ever opened a weight file
     assert results[0]["opened"], "rank 0 read nothing?"
     assert all(not r["opened"] for r in results[1:]), [r["opened"] for r in results[1:]]
@@ -112,6 +116,8 @@ def test_load_into_meta_module(dense_checkpoints):
 
 
 def _load_with_many_readers(checkpoints: dict, bin_checkpoint: str) -> dict:
+    import os
+
     import torch.distributed as dist
 
     import distload
@@ -131,7 +137,19 @@ def _load_with_many_readers(checkpoints: dict, bin_checkpoint: str) -> dict:
     # a legacy .bin checkpoint: torch.load(weights_only=True) on the reader only
     result = distload.load(bin_checkpoint, tp=world, progress=False)
     problems += differences(result.params, _expected_from_bin(bin_checkpoint, rank, world), f"bin rank{rank}")
-    return {"problems": problems, "readers": readers_seen, "opened": len(opened)}
+    # While the ranks plan, rank 0 asks storage for the start of the checkpoint (a budget's worth:
+    # DISTLOAD_EARLY_FETCH_MIB); not around the page cache (O_DIRECT), not for torch.load files.
+    early = {"bin": [r["early_fetch_bytes"] for r in result.report["per_rank"]]}
+    for name, strategy, budget in (("256 KiB", None, "0.25"), ("odirect", "odirect", None)):
+        if budget is not None:
+            os.environ["DISTLOAD_EARLY_FETCH_MIB"] = budget
+        try:
+            result = distload.load(checkpoints["llama"], tp=world, read_strategy=strategy, progress=False)
+        finally:
+            os.environ.pop("DISTLOAD_EARLY_FETCH_MIB", None)
+        problems += differences(result.params, _expected(checkpoints["llama"], rank, world), f"{name} rank{rank}")
+        early[name] = [r["early_fetch_bytes"] for r in result.report["per_rank"]]
+    return {"problems": problems, "readers": readers_seen, "opened": len(opened), "early": early}
 
 
 def _expected_from_bin(path: str, rank: int, tp: int) -> dict:
@@ -159,6 +177,7 @@ def test_several_readers_and_legacy_bin(dense_checkpoints, tmp_path):
         assert sum(1 for b in reads if b > 0) == readers, (fam, readers, reads)   # every reader took a share
         assert max(reads) <= 0.75 * sum(reads), (fam, readers, reads)           # ... and nobody took it all
     assert all(r["opened"] > 0 for r in results)   # with readers == world every rank reads some file
+    assert results[0]["early"] == {"bin": [0] * 4, "256 KiB": [1 << 18, 0, 0, 0], "odirect": [0] * 4}
 
 
 def _node_pulls_and_the_bucketed_path(checkpoints: dict) -> dict:
@@ -399,6 +418,8 @@ def test_two_nodes_keep_column_rows_on_their_node(dense_checkpoints, tmp_path):
     for fam, report in results[0]["reports"].items():
         path = moe_path if fam == "mixtral" else dense_checkpoints[fam]
         assert report["ok"] and report["readers"] == [0, 2], fam
+        # an early fetch on one node would read the other node's rows from storage here too
+        assert all(r["early_fetch_bytes"] == 0 for r in report["per_rank"]), fam
         assert report["storage_bytes_read"] == report["checkpoint_bytes"] == tensor_bytes(path), fam
         plan = distload.inspect(path, tp=4, ep=2 if fam == "mixtral" else 1, world=4, local_world=2, staging_mib=1)
         crossed = [r["bytes_from_other_nodes"] for r in report["per_rank"]]
