@@ -9,6 +9,7 @@ fire on rank R (default: any rank) at the N-th time (default 1) this process pas
             hang        sleep forever (a stuck file system): peers must give up at the timeout
     POINT   read        each pread of a checkpoint file (reader ranks)
             transfer    each bucket of the transfer loop, before the rank posts its part of it
+            local-record  a rank's own reconciliation record, before the all-gather that shares it
             <phase>     the agreement step that ends a phase: discover, planning, allocate, transfer,
                         reconcile, save-sharded (write), ... (see loader.py and handoff.py)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import names
-from .errors import DistloadError
+from . import faults, names
+from .errors import DistloadError, RankFailure
 from .shard import view2d
 from .transfer import all_gather_objects
 
@@ -94,8 +94,19 @@ def reconcile(plan, rank: int, params: dict[str, torch.Tensor], written: dict, s
     back in the verdict's rank_reports."""
     if fingerprints is None:
         from .kernels import fingerprints
-    mine = local_record(plan.specs[rank], params, written, fingerprints)
+    own_error = None
+    try:
+        faults.hit("local-record")  # test hook (DISTLOAD_FAULT), a no-op otherwise
+        mine = local_record(plan.specs[rank], params, written, fingerprints)
+    except Exception as exc:  # the peers are already in the all-gather below: take part, then raise
+        own_error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
     records = all_gather_objects({**mine, "report": report_record})
+    if own_error is not None:
+        raise own_error
+    failed = {r: rec["error"] for r, rec in enumerate(records) if "error" in rec}
+    if failed:
+        raise RankFailure(f"reconciliation failed on {len(failed)} rank(s): "
+                          + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())), failed)
     v = Verdict(ok=True, params=sum(r["params"] for r in records),
                 missing=list(plan.missing), unexpected=list(plan.unexpected),
                 rank_reports=[r["report"] for r in records])

@@ -744,6 +744,8 @@ API_FAULTS = [
     ("read-error@rank0:read:2", 0, ["Input/output error", "rank 0"]),
     ("raise@rank1:transfer:2", 1, ["rank 1", "RuntimeError: injected fault"]),
     ("kill@rank1:transfer:2", 1, ["no word from rank 1"]),
+    # a rank failing between the transfer and the reconciliation's all-gather still takes part in it
+    ("raise@rank1:local-record", 1, ["rank 1", "RuntimeError: injected fault"]),
 ]
 
 
