@@ -17,7 +17,8 @@ page cache the fetch fills) and not for torch.load files (unpickled whole, no by
 Measured (4 ranks, 1 GiB Llama, evicted; a harness alternating loads with and without it and
 every-rank-reads in one torchrun session, 15-30 reps each; the ratio of the median paired times): 128 MiB
 0.98, 0.96, 0.96, 1.01, 0.99, 0.97; 64 MiB 0.97, 0.93; 96 MiB 0.95; 256 MiB 0.95, 1.01. The disk was busy
-for 0.91 of the load with it, 0.87 without (every-rank-reads: 0.93-0.94).
+for 0.91 of the load with it, 0.87 without (every-rank-reads: 0.93-0.94). A fresh `torchrun -m distload load`
+(4 ranks) waits ~180 ms in planning for the ranks' start-up: 1.07 s -> 0.99 s median (6 alternating runs).
 """
 
 from __future__ import annotations
