@@ -76,3 +76,20 @@ def test_what_it_measures(quick_bench):
     assert by[("warm", "every-rank-reads")]["received_per_rank"] == 0
     runs = [r for r in results["runs"] if r["loader"] == "distload"]
     assert all(len(r["per_rank"]) == 2 and r["seconds"] >= max(p["seconds"] for p in r["per_rank"]) for r in runs)
+
+
+def test_per_repetition_ratios_pair_loaders_within_a_repetition():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    d, b = {"seconds_all": [1.0, 2.0, 3.0, 0.5]}, {"seconds_all": [2.0, 2.0, 2.0, 1.0]}
+    assert bench._per_repetition(d, b) == "; per repetition 0.750x median, 0.50-1.50x"
+    assert bench._per_repetition({"seconds_all": [1.0, 2.0, 3.0]}, b) == ""  # a failed repetition: no pairs
+    summary = [dict(nodes=1, world=4, cache="cold", loader=name, seconds=s, seconds_all=all_s, scenario="1 node x 4 ranks",
+                    disk_read_bytes=None, checkpoint_bytes=1, rss_over_shard=None)
+               for name, s, all_s in (("distload", 0.77, [0.7, 0.8, 0.9]), ("every-rank-reads", 0.766, [0.8, 0.8, 0.8]))]
+    (claim, holds, numbers), = bench.checks(summary, 16 << 20)
+    # three decimals: 0.770 vs 0.766 is not "1.00x" that does not hold
+    assert not holds and numbers == "0.770s vs 0.766s = 1.005x; per repetition 1.000x median, 0.87-1.12x", numbers
