@@ -54,28 +54,24 @@ def _phase(name: str, fn):
     return result
 
 
-def _discover_on_rank0(path: str, hf_config: str | None = None, rules_path: str | None = None, on_index=None):
-    """Headers are parsed once, on rank 0, and shared as metadata: no other rank opens them.
-    on_index: called on rank 0 with the index as soon as it is known (before it is sent)."""
+def _read_index(path: str, hf_config: str | None = None, rules_path: str | None = None):
+    """The checkpoint's index (every tensor's file, dtype, shape, byte range) and config, read on rank 0 only:
+    the other ranks get it as metadata (run_load: the discover phase) and never open the headers."""
     from .dcp import discover_dcp, is_dcp
 
-    def discover_here():
-        if is_dcp(path):  # torch.distributed.checkpoint directory; config.json from --hf-config
-            index = discover_dcp(path, hf_config, rules_path)
-        else:
-            index = discover(path)
-            if hf_config:
-                from .checkpoint.discover import _read_config
+    if is_dcp(path):  # torch.distributed.checkpoint directory; config.json from --hf-config
+        index = discover_dcp(path, hf_config, rules_path)
+    else:
+        index = discover(path)
+        if hf_config:
+            from .checkpoint.discover import _read_config
 
-                index = replace(index, config=_read_config(hf_config))
-        if not index.config:  # every plan needs it (architectures, head counts): say so, not "unknown family"
-            raise CheckpointError(f"{index.root}: config.json is missing or empty; distload plans from the "
-                                  "model's config (architectures, head counts, sizes): put the model's "
-                                  "config.json next to the weights, or pass --hf-config DIR")
-        if on_index is not None:
-            on_index(index)
-        return index
-    return computed_on_rank0(discover_here)
+            index = replace(index, config=_read_config(hf_config))
+    if not index.config:  # every plan needs it (architectures, head counts): say so, not "unknown family"
+        raise CheckpointError(f"{index.root}: config.json is missing or empty; distload plans from the "
+                              "model's config (architectures, head counts, sizes): put the model's "
+                              "config.json next to the weights, or pass --hf-config DIR")
+    return index
 
 
 def allocate(specs: dict[str, ParamSpec], device, huge: bool | None = None) -> dict[str, torch.Tensor]:
@@ -114,19 +110,28 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     clock = PhaseClock()
     topo = topo_mod.from_environment(tp=tp, ep=ep, readers=readers, device=device, backend=backend,
                                      timeout_s=timeout_s, expert_placement=expert_placement, expert_map=expert_map)
-    topo_mod.init_process_group(topo)
     rank = topo.rank
+    # Rank 0 reads the headers before the rendezvous, where it would otherwise wait for ranks still starting
+    # up (tens to hundreds of ms under torchrun), and on one node asks storage for the checkpoint's start
+    # right away (checkpoint/early_fetch.py; not around the page cache). What it read, or the error, reaches
+    # every rank in the discover phase, as before.
+    early, headers = None, None
+    if rank == 0:
+        try:
+            headers = _read_index(str(path), hf_config, config)
+            if topo.layout.one_node and read_strategy != "odirect":
+                early = start_early_fetch(headers, topo.layout.local_world or topo.layout.world)
+        except Exception as exc:  # every rank raises it in the discover phase
+            headers = exc
+    topo_mod.init_process_group(topo)
     clock.lap("topology")
 
-    early = None
+    def read_on_rank0():
+        if isinstance(headers, Exception):
+            raise headers
+        return headers
 
-    def fetch_early(index):
-        # One node only, and not around the page cache (checkpoint/early_fetch.py says why).
-        nonlocal early
-        if topo.layout.one_node and read_strategy != "odirect":
-            early = start_early_fetch(index, topo.layout.local_world or topo.layout.world)
-
-    index = _phase("discover", lambda: _discover_on_rank0(str(path), hf_config, config, on_index=fetch_early))
+    index = _phase("discover", lambda: computed_on_rank0(read_on_rank0))
     clock.lap("discover")
 
     staging = int(staging_mib * (1 << 20)) if staging_mib else DEFAULT_STAGING_BYTES  # a fraction: small tests

@@ -1,13 +1,15 @@
-"""Ask storage for the start of the checkpoint while the ranks plan (one node only).
+"""Ask storage for the start of the checkpoint while the ranks start up and plan (one node only).
 
 Between rank 0 parsing the headers and the first rank reading a weight, a load spends tens of
-milliseconds on work that touches no weight byte: broadcasting the index, planning on every rank and
-agreeing on the plan, allocating params, handing out descriptors. Cold, the storage sits idle all that
-time, and on a node that is bound by storage (4 ranks on this VM's disk) that idle time is most of what
-distload costs over every-rank-reads. So rank 0, as soon as it knows where the tensors are, names the
-first bytes the node will read to the kernel (`posix_fadvise(WILLNEED)`: the fetch runs while the ranks
-plan) in the shape the ranks will read them: each of the first tensors in `streams` parts, like a
-TP split, so several requests are in flight at once (one stream leaves this disk half idle).
+milliseconds on work that touches no weight byte: waiting at the rendezvous for ranks still starting up
+(under torchrun), broadcasting the index, planning on every rank and agreeing on the plan, allocating
+params, handing out descriptors. Cold, the storage sits idle all that time, and on a node that is bound by
+storage (4 ranks on this VM's disk) that idle time is most of what distload costs over every-rank-reads.
+So rank 0 reads the headers before the rendezvous (loader.py) and, as soon as it knows where the tensors
+are, names the first bytes the node will read to the kernel (`posix_fadvise(WILLNEED)`: the fetch runs
+while the ranks gather and plan) in the shape the ranks will read them: each of the first tensors in
+`streams` parts, like a TP split, so several requests are in flight at once (one stream leaves this disk
+half idle).
 
 Only on one node: there every byte of each tensor the load uses is read on this node, so fetching some
 early changes when it is read, not how often. With readers on several nodes each reads only its node's
@@ -18,7 +20,8 @@ Measured (4 ranks, 1 GiB Llama, evicted; a harness alternating loads with and wi
 every-rank-reads in one torchrun session, 15-30 reps each; the ratio of the median paired times): 128 MiB
 0.98, 0.96, 0.96, 1.01, 0.99, 0.97; 64 MiB 0.97, 0.93; 96 MiB 0.95; 256 MiB 0.95, 1.01. The disk was busy
 for 0.91 of the load with it, 0.87 without (every-rank-reads: 0.93-0.94). A fresh `torchrun -m distload load`
-(4 ranks) waits ~180 ms in planning for the ranks' start-up: 1.07 s -> 0.99 s median (6 alternating runs).
+(4 ranks) waited ~180 ms in planning for the ranks' start-up: 1.07 s -> 0.99 s median (6 alternating runs);
+with the headers read before the rendezvous as well (after gc_freeze.py): 0.85 s -> 0.82 s (7 alternating runs).
 """
 
 from __future__ import annotations
@@ -121,5 +124,5 @@ def start_early_fetch(index, streams: int, budget: int | None = None) -> EarlyFe
     if not ranges:
         return None
     log.info("early fetch: asking storage for the first %.0f MiB of the checkpoint (%d streams) while the "
-             "ranks plan", sum(n for _, _, n in ranges) / (1 << 20), max(streams, MIN_STREAMS))
+             "ranks start up and plan", sum(n for _, _, n in ranges) / (1 << 20), max(streams, MIN_STREAMS))
     return EarlyFetch(index.root, ranges)
