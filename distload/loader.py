@@ -25,7 +25,8 @@ from .postprocess import PostProcess
 from .reconcile import Verdict, reconcile
 from .report import PhaseClock, Progress, build_report, rank_record, summary_line, write_report
 from .rules import rules_for
-from .transfer import NodePulls, Transfer, agree, agree_on_planning, all_gather_objects, computed_on_rank0, zero_padding
+from .transfer import (NodePulls, Transfer, agree, agree_on_planning, all_gather_objects, outcome, shared_from_rank0,
+                       zero_padding)
 
 log = logging.getLogger("distload")
 
@@ -115,23 +116,20 @@ def run_load(path: str, *, tp: int | None = None, ep: int = 1, readers="per-node
     # up (tens to hundreds of ms under torchrun), and on one node asks storage for the checkpoint's start
     # right away (checkpoint/early_fetch.py; not around the page cache). What it read, or the error, reaches
     # every rank in the discover phase, as before.
-    early, headers = None, None
-    if rank == 0:
-        try:
-            headers = _read_index(str(path), hf_config, config)
-            if topo.layout.one_node and read_strategy != "odirect":
-                early = start_early_fetch(headers, topo.layout.local_world or topo.layout.world)
-        except Exception as exc:  # every rank raises it in the discover phase
-            headers = exc
+    early = None
+
+    def read_headers():
+        nonlocal early
+        index = _read_index(str(path), hf_config, config)
+        if topo.layout.one_node and read_strategy != "odirect":
+            early = start_early_fetch(index, topo.layout.local_world or topo.layout.world)
+        return index
+
+    headers = outcome(read_headers) if rank == 0 else None
     topo_mod.init_process_group(topo)
     clock.lap("topology")
 
-    def read_on_rank0():
-        if isinstance(headers, Exception):
-            raise headers
-        return headers
-
-    index = _phase("discover", lambda: computed_on_rank0(read_on_rank0))
+    index = _phase("discover", lambda: shared_from_rank0(headers))
     clock.lap("discover")
 
     staging = int(staging_mib * (1 << 20)) if staging_mib else DEFAULT_STAGING_BYTES  # a fraction: small tests

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import faults, names
-from .errors import DistloadError, RankFailure
+from .errors import DistloadError
 from .shard import view2d
 from .transfer import all_gather_objects
+from .transfer.agreement import rank_failure
 
 log = logging.getLogger("distload")
 
@@ -105,8 +106,7 @@ def reconcile(plan, rank: int, params: dict[str, torch.Tensor], written: dict, s
         raise own_error
     failed = {r: rec["error"] for r, rec in enumerate(records) if "error" in rec}
     if failed:
-        raise RankFailure(f"reconciliation failed on {len(failed)} rank(s): "
-                          + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())), failed)
+        raise rank_failure("reconciliation", failed)
     v = Verdict(ok=True, params=sum(r["params"] for r in records),
                 missing=list(plan.missing), unexpected=list(plan.unexpected),
                 rank_reports=[r["report"] for r in records])

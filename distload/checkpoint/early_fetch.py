@@ -76,30 +76,28 @@ class EarlyFetch:
     page-cache pages and queues the reads: a few milliseconds this rank's planning need not wait for).
     Only ever a hint: a failure is logged and the load reads those bytes itself. `close()` waits for it."""
 
-    def __init__(self, root: str, ranges: list[tuple[str, int, int]], piece_bytes: int | None = None):
+    def __init__(self, root: str, ranges: list[tuple[str, int, int]]):
         self.root, self.ranges = root, ranges
-        self.piece_bytes = piece_bytes
         self.asked_bytes = 0  # how much was asked for so far (the report's early_fetch_bytes)
         self._thread = threading.Thread(target=self._run, daemon=True, name="distload-early-fetch")
         self._thread.start()
 
     def _run(self) -> None:
-        from .reader import willneed_piece
+        from .reader import advise_willneed, willneed_piece
 
-        fds: dict[str, int] = {}
+        opened: dict[str, tuple[int, int]] = {}  # file -> (descriptor, its WILLNEED piece)
         try:
             for rel, offset, nbytes in self.ranges:
-                fd = fds.get(rel)
-                if fd is None:
-                    fd = fds[rel] = os.open(os.path.join(self.root, rel), os.O_RDONLY)
-                piece = self.piece_bytes or willneed_piece(fd)
-                for at in range(offset, offset + nbytes, piece):
-                    os.posix_fadvise(fd, at, min(piece, offset + nbytes - at), os.POSIX_FADV_WILLNEED)
+                if rel not in opened:
+                    fd = os.open(os.path.join(self.root, rel), os.O_RDONLY)
+                    opened[rel] = (fd, willneed_piece(fd))
+                fd, piece = opened[rel]
+                advise_willneed(fd, offset, nbytes, piece)
                 self.asked_bytes += nbytes
         except OSError as exc:
             log.debug("early fetch stopped (%s); the load reads those bytes itself", exc)
         finally:
-            for fd in fds.values():
+            for fd, _ in opened.values():
                 os.close(fd)
 
     def close(self) -> int:
@@ -120,9 +118,10 @@ def start_early_fetch(index, streams: int, budget: int | None = None) -> EarlyFe
                                 "fetch off)") from None
     if budget <= 0 or index.format != "safetensors" or not hasattr(os, "posix_fadvise"):
         return None
-    ranges = early_fetch_ranges(index.tensors.values(), index.files, max(streams, MIN_STREAMS), budget)
+    streams = max(streams, MIN_STREAMS)
+    ranges = early_fetch_ranges(index.tensors.values(), index.files, streams, budget)
     if not ranges:
         return None
     log.info("early fetch: asking storage for the first %.0f MiB of the checkpoint (%d streams) while the "
-             "ranks start up and plan", sum(n for _, _, n in ranges) / (1 << 20), max(streams, MIN_STREAMS))
+             "ranks start up and plan", sum(n for _, _, n in ranges) / (1 << 20), streams)
     return EarlyFetch(index.root, ranges)

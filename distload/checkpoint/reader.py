@@ -129,9 +129,7 @@ class RangeReader:
         fd = self._fd(entry_file)
         if entry_file not in self._willneed_piece:
             self._willneed_piece[entry_file] = willneed_piece(fd)
-        piece = self._willneed_piece[entry_file]
-        for at in range(offset, offset + nbytes, piece):
-            self._advise_willneed(fd, at, min(piece, offset + nbytes - at))
+        advise_willneed(fd, offset, nbytes, self._willneed_piece[entry_file])
 
     def close(self) -> None:
         if self._pool is not None:
@@ -287,6 +285,13 @@ class RangeReader:
             os.close(old_fd)
             fd = self._fds[rel]
         return _pread_exactly(fd, self.root, rel, offset, view)
+
+
+def advise_willneed(fd: int, offset: int, nbytes: int, piece: int) -> None:
+    """Ask the kernel to fetch [offset, offset + nbytes) of the file, in WILLNEED calls of at most `piece`
+    bytes (willneed_piece: one longer call would fetch only its first piece)."""
+    for at in range(offset, offset + nbytes, piece):
+        os.posix_fadvise(fd, at, min(piece, offset + nbytes - at), os.POSIX_FADV_WILLNEED)
 
 
 def willneed_piece(fd: int) -> int:

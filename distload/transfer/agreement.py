@@ -63,11 +63,16 @@ def agree(phase: str, error: BaseException | None, digest: int | None = None) ->
     if error is not None:
         # This rank failed itself: its own exception (type, traceback) is the most useful thing to raise.
         raise error
+    raise rank_failure(phase, failures)
+
+
+def rank_failure(phase: str, failures: dict[int, str]) -> RankFailure:
+    """What every other rank raises when some failed `phase`: each message once, with the ranks that gave it."""
     by_message: dict[str, list[int]] = {}
     for r, m in sorted(failures.items()):
         by_message.setdefault(m, []).append(r)
     text = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items())
-    raise RankFailure(f"{phase} failed on {len(failures)} rank(s): {text}", failures)
+    return RankFailure(f"{phase} failed on {len(failures)} rank(s): {text}", failures)
 
 
 # ----------------------------------------------------------------------------------------------------

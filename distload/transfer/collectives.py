@@ -64,19 +64,27 @@ def broadcast_object(obj, src: int = 0):
     return obj if dist.get_rank() == src else pickle.loads(payload.cpu().numpy().tobytes())
 
 
-def computed_on_rank0(fn):
-    """Run fn on rank 0 only (metadata: headers, manifests) and hand every rank its result; if it
-    raised, every rank raises the same exception."""
-    payload = None
-    if not active() or dist.get_rank() == 0:
-        try:
-            payload = ("ok", fn())
-        except Exception as exc:
-            payload = ("error", exc)
+def outcome(fn) -> tuple[str, object]:
+    """("ok", fn()), or ("error", the exception it raised): something to hand to shared_from_rank0."""
+    try:
+        return "ok", fn()
+    except Exception as exc:
+        return "error", exc
+
+
+def shared_from_rank0(payload):
+    """Rank 0's outcome (payload; anything on the other ranks) on every rank: its value, or its exception
+    raised on every rank."""
     kind, value = broadcast_object(payload, src=0)
     if kind == "error":
         raise value
     return value
+
+
+def computed_on_rank0(fn):
+    """Run fn on rank 0 only (metadata: headers, manifests) and hand every rank its result; if it
+    raised, every rank raises the same exception."""
+    return shared_from_rank0(outcome(fn) if not active() or dist.get_rank() == 0 else None)
 
 
 _OBJECT_SLOT_BYTES = 16 << 10
