@@ -22,7 +22,7 @@ import torch
 from .backend import use_triton
 from .fingerprint_format import FMIX_1, FMIX_2, GOLDEN, LENGTH_SALT, SPLITMIX_1, SPLITMIX_2
 
-_REFERENCE_CHUNK_WORDS = 1 << 21  # the reference's int64 temporaries stay at a few 16 MiB each
+REFERENCE_CHUNK_WORDS = 1 << 21  # the reference's int64 temporaries stay at a few 16 MiB each
 
 
 @torch.no_grad()
@@ -87,8 +87,8 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def word_hash_sums_reference(words: torch.Tensor, first_index: int) -> torch.Tensor:
     """int64[2]: (sum h1, sum h2) over int32 `words`, the first one at word position `first_index`."""
     sums = torch.zeros(2, dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), _REFERENCE_CHUNK_WORDS):
-        chunk = words[start : start + _REFERENCE_CHUNK_WORDS]
+    for start in range(0, words.numel(), REFERENCE_CHUNK_WORDS):
+        chunk = words[start : start + REFERENCE_CHUNK_WORDS]
         first = first_index + start + 1
         state = torch.arange(first, first + chunk.numel(), dtype=torch.int64, device=words.device)
         state *= GOLDEN
