@@ -22,7 +22,24 @@ from .fp8_block import (
     quantize_fp8_block,
     quantize_fp8_block_reference,
 )
+from .fp4 import (
+    dequantize_bnb_4bit,
+    dequantize_bnb_4bit_reference,
+    dequantize_mxfp4,
+    dequantize_mxfp4_reference,
+    dequantize_nvfp4,
+    dequantize_nvfp4_reference,
+    undo_bnb_nested_absmax,
+)
 from .fp8_format import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, block_scale_shape
+from .int4 import (
+    dequantize_awq,
+    dequantize_awq_reference,
+    dequantize_compressed_int4,
+    dequantize_compressed_int4_reference,
+    dequantize_gptq,
+    dequantize_gptq_reference,
+)
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -30,6 +47,19 @@ __all__ = [
     "FP8_MAX",
     "HAVE_TRITON",
     "block_scale_shape",
+    "dequantize_bnb_4bit",
+    "dequantize_bnb_4bit_reference",
+    "dequantize_mxfp4",
+    "dequantize_mxfp4_reference",
+    "dequantize_nvfp4",
+    "dequantize_nvfp4_reference",
+    "undo_bnb_nested_absmax",
+    "dequantize_awq",
+    "dequantize_awq_reference",
+    "dequantize_compressed_int4",
+    "dequantize_compressed_int4_reference",
+    "dequantize_gptq",
+    "dequantize_gptq_reference",
     "dequantize_fp8_block",
     "dequantize_fp8_block_reference",
     "dequantize_fp8_per_tensor",
