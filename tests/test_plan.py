@@ -22,7 +22,7 @@ from distload.dtypes import itemsize, torch_dtype
 from distload.errors import PlanError
 from distload.plan import build_plan, expert_hosts
 from distload.rules import rules_for
-from distload.shard import view2d
+from distload.plan.shard import view2d
 from distload.topology import Layout
 from hf_models import DENSE
 from checks import TOY_MOE_RULES, toy_rules

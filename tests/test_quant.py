@@ -30,9 +30,9 @@ from distload.kernels import (
     quantize_fp8_per_tensor_reference,
 )
 from distload.plan import build_plan
-from distload.quant_plan import checkpoint_scheme
+from distload.plan.quant import checkpoint_scheme
 from distload.rules import rules_for
-from distload.shard import view2d
+from distload.plan.shard import view2d
 from distload.topology import Layout
 from checks import TOY_MOE_RULES, module_from_specs, toy_rules
 from spawn import run_ranks
@@ -285,7 +285,7 @@ def test_block_steps_in_bands_equal_whole_matrices(monkeypatch):
     """postprocess runs block kernels on bands of whole block rows (bounded fp32 temporaries): same bits."""
     from distload import postprocess
     from distload.kernels import dequantize_fp8_block, quantize_fp8_block
-    from distload.quant_plan import Step
+    from distload.plan.quant_steps import Step
 
     monkeypatch.setattr(postprocess, "BAND_ELEMS", 40 * 16)  # bands of 32 rows of a [*, 40] matrix
     torch.manual_seed(0)
