@@ -31,8 +31,8 @@ from distload.kernels import (
 )
 from distload.plan import build_plan
 from distload.plan.quant import checkpoint_scheme
-from distload.rules import rules_for
 from distload.plan.shard import view2d
+from distload.rules import rules_for
 from distload.topology import Layout
 from checks import TOY_MOE_RULES, module_from_specs, toy_rules
 from spawn import run_ranks
