@@ -1,8 +1,8 @@
 """distload.plan: the pure load plan (DESIGN §2 step 4, §4.2, §4.5).
 
 The checkpoints are metadata only (TensorEntry: name, file, offset, dtype, shape): the tensors, files and
-config.json that tests/hf_models.py's tiny Hugging Face models save, written out here without transformers
-or a disk (test_metadata_checkpoints_are_what_transformers_saves holds the two together). The plan only
+config.json that tests/hf_models.py's tiny Hugging Face models save, from tests/hf_metadata.py, without
+transformers or a disk (test_metadata_checkpoints_are_what_transformers_saves holds the two together). The plan only
 reads metadata, so values are made up here: every checkpoint tensor is filled with
 `arange + offset` (offsets running over the whole checkpoint, so every element is unique). Each rank's
 params are then built twice, once straight from the deliveries and once through the buckets' wire
@@ -26,74 +26,13 @@ from distload.plan import build_plan, expert_hosts
 from distload.plan.shard import view2d
 from distload.rules import rules_for
 from distload.topology import Layout
-from hf_models import COMMON, DENSE, FAMILIES
+from hf_metadata import decoder_config, decoder_shapes, sharded_entries
+from hf_models import DENSE
 from checks import TOY_MOE_RULES, toy_rules
 from layout_oracle import serving_shards
 
 # ----------------------------------------------------------------------------------------------------
 # Fixtures and helpers
-
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-SHARD_BYTES = 100_000            # hf_models.save_checkpoint's max_shard_size "100KB"
-
-
-def decoder_config(family: str) -> dict:
-    """config.json of hf_models' `family` model, as far as the rules and the oracle read it."""
-    kw = {**COMMON, **FAMILIES[family]}
-    kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
-    kw.setdefault("tie_word_embeddings", False)
-    return {**kw, "architectures": [ARCHITECTURES[kw["model_type"]]]}
-
-
-def decoder_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The tensors transformers saves for a Llama-shaped `config`, in its state_dict order."""
-    h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    q, kv, kind = config["num_attention_heads"] * d, config["num_key_value_heads"] * d, config["model_type"]
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h)}
-    for n in range(config["num_hidden_layers"]):
-        a = f"model.layers.{n}."
-        if kind == "phi3":  # Phi-3's attention declares o_proj first
-            shapes.update({a + "self_attn.o_proj.weight": (h, q), a + "self_attn.qkv_proj.weight": (q + 2 * kv, h)})
-        else:
-            shapes.update({a + f"self_attn.{x}_proj.weight": (rows, h) for x, rows in zip("qkv", (q, kv, kv))})
-        if kind == "qwen2":
-            shapes.update({a + f"self_attn.{x}_proj.bias": (rows,) for x, rows in zip("qkv", (q, kv, kv))})
-        shapes[a + "self_attn.o_proj.weight"] = (h, q)
-        if kind == "qwen3":
-            shapes.update({a + "self_attn.q_norm.weight": (d,), a + "self_attn.k_norm.weight": (d,)})
-        if kind == "phi3":
-            shapes[a + "mlp.gate_up_proj.weight"] = (2 * i, h)
-        else:
-            shapes.update({a + "mlp.gate_proj.weight": (i, h), a + "mlp.up_proj.weight": (i, h)})
-        shapes[a + "mlp.down_proj.weight"] = (h, i)
-        shapes.update({a + "input_layernorm.weight": (h,), a + "post_attention_layernorm.weight": (h,)})
-    shapes["model.norm.weight"] = (h,)
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], h)
-    return shapes
-
-
-def sharded_entries(shapes: dict[str, tuple[int, ...]], dtype: str = "F32") -> dict[str, TensorEntry]:
-    """Entries laid out as save_pretrained shards them: files filled in order up to SHARD_BYTES, each file's
-    tensors by name (as safetensors writes them)."""
-    files, size = [[]], 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize(dtype)
-        if files[-1] and size + nbytes > SHARD_BYTES:
-            files.append([])
-            size = 0
-        files[-1].append(name)
-        size += nbytes
-    out = {}
-    for k, members in enumerate(files):
-        file, at = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors", 8
-        for name in sorted(members):
-            nbytes = math.prod(shapes[name]) * itemsize(dtype)
-            out[name] = TensorEntry(name, file, dtype, tuple(shapes[name]), at, nbytes)
-            at += nbytes
-    return out
 
 
 @pytest.fixture(scope="module")
