@@ -41,7 +41,7 @@ import torch
 from .dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS
 from .checkpoint import ReaderWrapper
 from .errors import CheckpointError, PlanError
-from .reshard import describe_topology, rank_file, same_topology_plan, reshard_plan, saved_layout
+from .plan.reshard import describe_topology, rank_file, same_topology_plan, reshard_plan, saved_layout
 from .transfer import agree, all_gather_objects, broadcast_object, computed_on_rank0
 
 log = logging.getLogger("distload")

@@ -32,7 +32,7 @@ import torch
 from . import host_memory, kernels
 from .dtypes import torch_dtype
 from .reconcile import coverage
-from .shard import view2d
+from .plan.shard import view2d
 
 
 def _matrices(t: torch.Tensor) -> torch.Tensor:

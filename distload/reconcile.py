@@ -15,7 +15,7 @@ import torch
 
 from . import faults, names
 from .errors import DistloadError
-from .shard import view2d
+from .plan.shard import view2d
 from .transfer import all_gather_objects
 from .transfer.agreement import rank_failure
 

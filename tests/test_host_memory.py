@@ -98,7 +98,7 @@ def test_prefault_fills_the_regions_in_the_background_only_with_a_cpu_to_spare()
     import os
     import time
 
-    from distload.shard import Piece
+    from distload.plan.shard import Piece
     from distload.transfer.file_copy import Prefault
 
     t = host_memory.empty((64, 1 << 20), torch.uint8, huge=False)   # 64 MiB, nothing touched

@@ -30,11 +30,12 @@ from distload.kernels import (
     quantize_fp8_per_tensor_reference,
 )
 from distload.plan import build_plan
-from distload.quant_plan import checkpoint_scheme
+from distload.plan.quant import checkpoint_scheme
+from distload.plan.shard import view2d
 from distload.rules import rules_for
-from distload.shard import view2d
 from distload.topology import Layout
 from checks import TOY_MOE_RULES, module_from_specs, toy_rules
+from hf_metadata import decoder_config, decoder_shapes, laid_out, sharded_entries
 from spawn import run_ranks
 
 TP = 2
@@ -78,22 +79,46 @@ def _quantized_checkpoint(src: Path, out: Path, kind: str, *, block=(16, 16), ct
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = _quantization_config(kind, block, ct)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _quantization_config(kind: str, block: tuple[int, int], ct: bool) -> dict:
+    """config.json's quantization_config of a checkpoint quantized per `kind` ('tensor' or 'block')."""
     if ct:
         weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False,
                    "strategy": "tensor" if kind == "tensor" else "block",
                    "block_structure": None if kind == "tensor" else list(block)}
         acts = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False} if kind == "tensor" else None
-        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                                         "ignore": ["lm_head"], "quantization_status": "compressed",
-                                         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                                                       "input_activations": acts}}}
-    elif kind == "tensor":
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
-    else:
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "weight_block_size": list(block)}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "ignore": ["lm_head"], "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+    if kind == "tensor":
+        return {"quant_method": "fp8", "activation_scheme": "static"}
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+
+
+def _metadata(family: str, kind: str | None = None, *, block=(16, 16), ct: bool = False, **overrides):
+    """(entries, config) of the BF16 `family` checkpoint, or of it quantized as _quantized_checkpoint does,
+    as metadata only (tests/hf_metadata.py): what the plan-time tests plan."""
+    config = decoder_config(family, **overrides)
+    entries = sharded_entries(decoder_shapes(config), "BF16")
+    if kind is None:
+        return entries, config
+    tensors = {}
+    for n, e in entries.items():
+        if not CKPT_LINEAR.match(n):
+            tensors[n] = (e.file, e.dtype, e.shape)
+            continue
+        base = n[: -len("weight")]
+        tensors[n] = (e.file, "F8_E4M3", e.shape)
+        if kind == "tensor":
+            for suffix in ("weight_scale", "input_scale"):
+                tensors[base + suffix] = (e.file, "F32", (1,) if ct else ())
+        else:
+            tensors[base + ("weight_scale" if ct else "weight_scale_inv")] = (e.file, "F32", block_scale_shape(e.shape, block))
+    return laid_out(tensors), {**config, "quantization_config": _quantization_config(kind, block, ct)}
 
 
 def _skew_parts(path: Path) -> Path:
@@ -137,43 +162,68 @@ def checkpoints(tmp_path_factory):
 # Plan-time rules (pure: no processes)
 
 
-def _plan(path, tp=TP, **options):
-    index = discover(str(path))
-    return build_plan(index.tensors, index.config, rules_for(index.config), Layout(world=tp, tp=tp), **options)
+# The metadata of the checkpoints fixture's llama-based ones, by its names.
+METADATA = {"llama": dict(family="llama"), "llama-fp8": dict(family="llama", kind="tensor"),
+            "llama-block": dict(family="llama", kind="block"),
+            "llama-block32": dict(family="llama", kind="block", block=(32, 32)),
+            "qwen2-ct": dict(family="qwen2", kind="tensor", ct=True),
+            "qwen2-ct-block": dict(family="qwen2", kind="block", ct=True)}
 
 
-def test_block_split_refused_while_planning(checkpoints):
+def _meta(name: str):
+    args = METADATA[name]
+    return _metadata(**args, **({"num_hidden_layers": LAYERS} if args["family"] == "llama" else {}))
+
+
+def _plan(name: str, tp=TP, **options):
+    entries, config = _meta(name)
+    return build_plan(entries, config, rules_for(config), Layout(world=tp, tp=tp), **options)
+
+
+@pytest.mark.parametrize("name", sorted(METADATA))
+def test_metadata_is_what_the_fixture_writes(checkpoints, name):
+    """The plan-time tests' metadata matches the checkpoint files (tensors, files, dtypes, shapes, scheme)."""
+    entries, config = _meta(name)
+    index = discover(str(checkpoints[name]))
+    assert ({n: (e.file, e.dtype, tuple(e.shape)) for n, e in index.tensors.items()}
+            == {n: (e.file, e.dtype, e.shape) for n, e in entries.items()})
+    assert checkpoint_scheme(config) == checkpoint_scheme(index.config)
+    rules = rules_for(index.config)
+    assert {d: rules.dim(config, d) for d in rules.dims} == {d: rules.dim(index.config, d) for d in rules.dims}
+
+
+def test_block_split_refused_while_planning():
     with pytest.raises(PlanError) as err:
-        _plan(checkpoints["llama-block32"], tp=2)
+        _plan("llama-block32", tp=2)
     msg = str(err.value)
     assert "model.layers.0.self_attn.qkv_proj.weight (rule qkv, block FP8 [32, 32]" in msg
     assert "k_proj.weight at row 16" in msg and "weight_scale_inv" in msg and "(try tp 1)" in msg
-    _plan(checkpoints["llama-block32"], tp=1)  # the tp it names works
+    _plan("llama-block32", tp=1)  # the tp it names works
     for tp in (1, 2, 4):  # 16x16 blocks: every tp the heads allow
-        _plan(checkpoints["llama-block"], tp=tp)
+        _plan("llama-block", tp=tp)
 
 
-def test_final_specs_and_steps(checkpoints):
+def test_final_specs_and_steps():
     a = "model.layers.0.self_attn."
-    plan = _plan(checkpoints["llama-fp8"])
+    plan = _plan("llama-fp8")
     spec = plan.specs[0][a + "qkv_proj.weight_scale"]
     assert (spec.style, spec.dtype, spec.local_shape) == ("replicate", "F32", ())   # one value per rank
     assert plan.staging_specs(0)[a + "qkv_proj.weight_scale"].local_shape == (3,)  # one per part in flight
     assert plan.specs[0][a + "o_proj.weight_scale"].local_shape == ()                # row: the checkpoint's scalar
     assert {s.op for s in plan.post[0]} == {"requantize", "max"}
     assert all(s.runs == ((32, 0), (16, 1), (16, 2)) for s in plan.post[0] if s.inputs[0] == a + "qkv_proj.weight")
-    plan = _plan(checkpoints["llama-block"])  # block FP8 needs no step: weight and scale are final as cut
+    plan = _plan("llama-block")  # block FP8 needs no step: weight and scale are final as cut
     assert not any(plan.post) and not plan.staging
     assert plan.specs[1][a + "qkv_proj.weight_scale_inv"].local_shape == (4, 4)
-    plan = _plan(checkpoints["llama"], quantize="fp8")
+    plan = _plan("llama", quantize="fp8")
     assert plan.specs[0]["model.embed_tokens.weight"].dtype == "BF16"               # vocab: not quantized
     assert plan.specs[0]["model.norm.weight"].dtype == "BF16"
     assert plan.specs[0][a + "qkv_proj.weight"].dtype == "F8_E4M3"
     assert "model.embed_tokens.weight_scale" not in plan.specs[0]
     with pytest.raises(PlanError, match="already quantized"):
-        _plan(checkpoints["llama-fp8"], quantize="fp8")
+        _plan("llama-fp8", quantize="fp8")
     with pytest.raises(PlanError, match="not quantized"):
-        _plan(checkpoints["llama"], dequantize=True)
+        _plan("llama", dequantize=True)
 
 
 def test_scheme_from_config():
@@ -192,12 +242,11 @@ def test_scheme_from_config():
         checkpoint_scheme({"quantization_config": ct})
 
 
-def test_missing_scale_of_one_part_is_named(checkpoints, tmp_path):
-    index = discover(str(checkpoints["llama-block"]))
-    tensors = dict(index.tensors)
+def test_missing_scale_of_one_part_is_named():
+    tensors, config = _meta("llama-block")
     del tensors["model.layers.1.self_attn.k_proj.weight_scale_inv"]
     with pytest.raises(PlanError, match=r"but not 'model\.layers\.1\.self_attn\.k_proj\.weight_scale_inv'"):
-        build_plan(tensors, index.config, rules_for(index.config), Layout(world=2, tp=2))
+        build_plan(tensors, config, rules_for(config), Layout(world=2, tp=2))
 
 
 # Experts: toy rules and entries (the plan reads only metadata), values made up per element.
@@ -285,7 +334,7 @@ def test_block_steps_in_bands_equal_whole_matrices(monkeypatch):
     """postprocess runs block kernels on bands of whole block rows (bounded fp32 temporaries): same bits."""
     from distload import postprocess
     from distload.kernels import dequantize_fp8_block, quantize_fp8_block
-    from distload.quant_plan import Step
+    from distload.plan.quant_steps import Step
 
     monkeypatch.setattr(postprocess, "BAND_ELEMS", 40 * 16)  # bands of 32 rows of a [*, 40] matrix
     torch.manual_seed(0)

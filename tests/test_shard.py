@@ -1,4 +1,4 @@
-"""distload.shard: pure style math on 2-D views (DESIGN §4.1).
+"""distload.plan.shard: pure style math on 2-D views (DESIGN §4.1).
 
 Sources are filled with `arange + offset` (offset 10_000 per source), so a misplaced element tells which
 source and which element it came from. Each rank's local tensor is materialised from its pieces and
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distload.errors import DistloadError, PlanError
-from distload.shard import CUTS, LocalLayout, Part, Piece, cut, padded_vocab, view2d
+from distload.plan.shard import CUTS, LocalLayout, Part, Piece, cut, padded_vocab, view2d
 
 OFFSET = 10_000
 

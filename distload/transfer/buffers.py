@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import host_memory
 from ..plan import Bucket
-from ..shard import view2d
+from ..plan.shard import view2d
 from .collectives import require_contiguous
 
 

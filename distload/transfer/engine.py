@@ -12,7 +12,7 @@ from .. import faults
 from ..dtypes import torch_dtype
 from ..errors import DistloadError
 from ..plan import Bucket, Item, LoadPlan, Source, broadcast_offset, clip
-from ..shard import view2d
+from ..plan.shard import view2d
 from .agreement import LostPeer
 from .buffers import (SHM_DONE_BYTES, SHM_TOKEN_BYTES, BufferPool, ReadAhead, SharedSlots, TransferStats,
                       attach_slot, piece_bytes, shm_usable, typed2d, write_piece)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import PlanError
+from ..errors import PlanError
 
 
 @dataclass(frozen=True)
