@@ -33,30 +33,21 @@ _BOUNCE_BYTES = 8 * 1024 * 1024
 
 @runtime_checkable
 class Reader(Protocol):
-    """What the transfer and the report ask of a checkpoint reader: byte ranges of named files into a
-    caller's buffer, hints of ranges wanted soon, and counters of what storage served."""
+    """What the transfer and the report ask of a checkpoint reader. read_into fills `out` (a contiguous
+    uint8 CPU tensor) with exactly its length of `file` at `offset` and returns the count; prefetch is a hint
+    that a range is read soon (it may do nothing); close releases descriptors and threads. bytes_read and
+    files_opened count what storage served (a wrapper's are its inner reader's); strategy is one of
+    strategy.STRATEGIES, or None where none applies (memory)."""
 
     @property
-    def bytes_read(self) -> int:
-        """Bytes served from storage so far (a wrapper counts its inner reader's)."""
-
+    def bytes_read(self) -> int: ...
     @property
-    def files_opened(self) -> set[str]:
-        """The files opened so far (relative names)."""
-
+    def files_opened(self) -> set[str]: ...
     @property
-    def strategy(self) -> str | None:
-        """The read strategy (strategy.STRATEGIES); None where none applies (e.g. memory)."""
-
-    def read_into(self, file: str, offset: int, out: torch.Tensor, /) -> int:
-        """Fill `out` (a contiguous uint8 CPU tensor) with exactly its length of `file` at `offset`; returns
-        the count."""
-
-    def prefetch(self, file: str, offset: int, nbytes: int, /) -> None:
-        """A hint: this range will be read soon (may do nothing)."""
-
-    def close(self) -> None:
-        """Release what the reader holds (descriptors, threads); counters stay readable."""
+    def strategy(self) -> str | None: ...
+    def read_into(self, file: str, offset: int, out: torch.Tensor, /) -> int: ...
+    def prefetch(self, file: str, offset: int, nbytes: int, /) -> None: ...
+    def close(self) -> None: ...
 
 
 class RangeReader:
@@ -305,6 +296,10 @@ class ReaderWrapper:
     @property
     def strategy(self) -> str | None:
         return getattr(self.inner, "strategy", None)
+
+    def read_into(self, entry_file: str, offset: int, out) -> int:
+        """The inner reader's bytes as they are (subclasses check or translate them)."""
+        return self.inner.read_into(entry_file, offset, out)
 
     def prefetch(self, entry_file: str, offset: int, nbytes: int) -> None:
         """Nothing: the ranges named are of the outer (virtual) file, not of the inner reader's files."""
