@@ -108,7 +108,9 @@ def wire_ops(plan: LoadPlan, bucket: Bucket, rank: int, shm: bool) -> tuple[Wire
     if plan.layout.world == 1:
         return ()
     if bucket.broadcast:
-        return (WireOp(BROADCAST, bucket.reader, bucket.read_bytes, bucket.index, BUCKET_BYTES),) if bucket.read_bytes else ()
+        if not bucket.read_bytes:
+            return ()
+        return (WireOp(BROADCAST, bucket.reader, bucket.read_bytes, bucket.index, BUCKET_BYTES),)
     if rank != bucket.reader:
         return tuple(_exchange(plan, bucket, rank, shm, sending=False)) if bucket.recv_bytes[rank] else ()
     return tuple(op for dst in range(plan.layout.world) if dst != rank and bucket.recv_bytes[dst]

@@ -10,7 +10,8 @@ from .. import faults
 from ..checkpoint import Reader
 from ..errors import DistloadError
 from ..plan import Bucket, LoadPlan
-from ..plan_wire import BROADCAST, PACKED, SHM_DONE, SHM_DONE_BYTES, SHM_TOKEN, SHM_TOKEN_BYTES, describe, via_shm, wire_ops
+from ..plan_wire import (BROADCAST, PACKED, SHM_DONE, SHM_DONE_BYTES, SHM_TOKEN, SHM_TOKEN_BYTES, describe, via_shm,
+                         wire_ops)
 from .agreement import LostPeer
 from .bucket_reads import BucketReads
 from .buffers import BufferPool, ReadAhead, SharedSlots, TransferStats, attach_slot, shm_usable
@@ -146,7 +147,8 @@ class Transfer:
                 sent[op.peer] = sent.get(op.peer, 0) + buf.numel()
         for dst, n in sent.items():
             if n != bucket.recv_bytes[dst]:
-                raise RuntimeError(f"bucket {bucket.index}: {n} bytes for rank {dst}, plan says {bucket.recv_bytes[dst]}")
+                raise RuntimeError(f"bucket {bucket.index}: {n} bytes for rank {dst}, "
+                                   f"plan says {bucket.recv_bytes[dst]}")
         return pairs
 
     # -- a receiver's side ---------------------------------------------------------------------------
