@@ -6,6 +6,7 @@ rank and all of them exit together.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -277,7 +278,8 @@ def transfer_phase(plan: LoadPlan, topo, params: dict[str, torch.Tensor], open_r
         if transfer is None:
             bar = Progress(plan.checkpoint_bytes, enabled=progress and rank == 0)
             transfer = Transfer(plan, rank, params, reader=reader, device=topo.device,
-                                progress=bar if rank == 0 else None, on_bucket_done=on_bucket_done)
+                                progress=bar if rank == 0 else None, on_bucket_done=on_bucket_done,
+                                shm=os.environ.get("DISTLOAD_SHM", "1") != "0")
             transfer.run()
         zero_padding(params, plan.staging_specs(rank), transfer.stats)
         if transfer.error is not None:

@@ -58,6 +58,8 @@ class MemoryReader:
     Only the tensor being read is kept as a byte view (a non-contiguous tensor is copied once, one at a time).
     """
 
+    strategy = None  # no storage: checkpoint.Reader's strategy where none applies
+
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
         self.bytes_read = 0

@@ -10,7 +10,7 @@ from distload.plan import build_plan
 from distload.rules import rules_for
 from distload.topology import Layout
 from distload.transfer import Transfer, zero_padding
-from distload.transfer.engine import PREFETCH_BUCKETS
+from distload.transfer.bucket_reads import PREFETCH_BUCKETS
 
 
 class RecordingReader(RangeReader):

@@ -12,6 +12,7 @@
     quant_layouts.py  the companions' cuts, derived from their weights'
     quant_steps.py    final specs and post-load steps (requantize, quantize, dequantize)
     build.py          build_plan: the above in order
+    wire.py           per bucket and rank: the wire ops each side posts (sender and receiver agree)
     reshard.py        plans that reload (and re-cut) a sharded save
 """
 
