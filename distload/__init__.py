@@ -24,7 +24,7 @@ __all__ = ["load", "load_into", "inspect", "refit", "LoadResult", "LoadOptions",
 __version__ = "0.1.0"
 
 _LAZY = {"LoadResult": "loader", "run_load": "loader", "LoadOptions": "options", "Refit": "refit",
-         "RefitFailed": "refit", "refit": "refit"}
+         "RefitFailed": "refit"}
 
 
 def __getattr__(name: str):
@@ -84,6 +84,14 @@ def load_into(module, path, *, tp: int | None = None, ep: int = 1, device=None, 
     data_of: dict[int, object] = {}
     params = {name: data_of.setdefault(id(p), p.data) for name, p in module.named_parameters(remove_duplicate=False)}
     return _run(path, options, into=params)
+
+
+def refit(target, named_tensors=None, **options):
+    """Live weight update (distload.refit.refit: its arguments). A function here, not a lazy name: importing
+    the submodule distload.refit would otherwise make `distload.refit` the module."""
+    from .refit import refit as refit_now
+
+    return refit_now(target, named_tensors, **options)
 
 
 def _run(path, options: dict, into=None):

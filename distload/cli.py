@@ -22,7 +22,9 @@ def _readers(value: str):
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
     from .checkpoint.reader import STRATEGIES
+    from .options import TUNING_HELP
 
+    p.epilog, p.formatter_class = TUNING_HELP, argparse.RawDescriptionHelpFormatter
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides the world size)")
     p.add_argument("--readers", type=_readers, default="per-node",

@@ -60,6 +60,13 @@ class Tuning:
         return dataclasses.asdict(self)
 
 
+TUNING_HELP = """tuning (environment, read once at start, recorded in the report's "tuning"):
+  DISTLOAD_PULL=0             one node: no pulls from the reader's files (the bucketed transfer instead)
+  DISTLOAD_SHM=0              gloo: no shared-memory staging between a reader and its node's ranks
+  DISTLOAD_HUGEPAGES=1        params in transparent-huge-page memory
+  DISTLOAD_EARLY_FETCH_MIB=N  what rank 0 asks storage for while the ranks start (default 128, 0: off)"""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
     """One load's options (as `distload load --help`); identical on every rank of the job."""

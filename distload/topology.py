@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import DistloadError
+from .options import LoadOptions
 
 PLACEMENTS = ("linear", "round_robin")
 
@@ -112,7 +113,7 @@ def reader_ranks(world: int, local_world: int, readers: str | int) -> tuple[int,
     return tuple(sorted(order[:n]))
 
 
-def layout_for(world: int, local_world: int, options) -> Layout:
+def layout_for(world: int, local_world: int, options: LoadOptions) -> Layout:
     """The job's Layout for `options` (a LoadOptions) on `world` ranks, `local_world` per node."""
     return Layout(world=world, tp=options.tp or world, ep=options.ep,
                   readers=reader_ranks(world, local_world, options.readers), local_world=local_world,
@@ -141,11 +142,12 @@ class Topology:
         return self.rank in self.layout.readers
 
 
-def from_environment(options) -> Topology:
-    """This process in the job for `options` (a LoadOptions), from torchrun's environment (RANK,
+def from_environment(options: LoadOptions | None = None) -> Topology:
+    """This process in the job for `options` (default: LoadOptions()), from torchrun's environment (RANK,
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK)."""
     import torch
 
+    options = options if options is not None else LoadOptions()
     env = os.environ
     rank = int(env.get("RANK", "0"))
     world = int(env.get("WORLD_SIZE", "1"))
