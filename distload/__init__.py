@@ -87,11 +87,15 @@ def load_into(module, path, *, tp: int | None = None, ep: int = 1, device=None, 
 
 
 def refit(target, named_tensors=None, **options):
-    """Live weight update (distload.refit.refit: its arguments). A function here, not a lazy name: importing
-    the submodule distload.refit would otherwise make `distload.refit` the module."""
+    """Live weight update (distload.refit.refit: its arguments)."""
     from .refit import refit as refit_now
 
+    # Importing a submodule binds it as the package's attribute: `distload.refit` is this function again.
+    globals()["refit"] = _refit
     return refit_now(target, named_tensors, **options)
+
+
+_refit = refit
 
 
 def _run(path, options: dict, into=None):
