@@ -11,7 +11,7 @@ fire on rank R (default: any rank) at the N-th time (default 1) this process pas
             transfer    each bucket of the transfer loop, before the rank posts its part of it
             local-record  a rank's own reconciliation record, before the all-gather that shares it
             <phase>     the agreement step that ends a phase: discover, planning, allocate, transfer,
-                        reconcile, save-sharded (write), ... (see loader.py and handoff.py)
+                        reconcile, save-sharded (write), ... (see loader.py and sharded/save.py)
 
 e.g. `read-error@rank0:read:3`, `raise@rank1:transfer:2`, `kill@rank1:save-sharded (write)`.
 """

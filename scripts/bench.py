@@ -424,7 +424,7 @@ def load_dcp(ctx: Context):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.tensor import DTensor, Shard
 
-    from distload.dcp import contiguous_strides
+    from distload.checkpoint.dcp import contiguous_strides
 
     if ctx.device != "cpu":
         raise NotImplementedError("dcp is compared on CPU only")

@@ -95,8 +95,8 @@ def test_golden_file_matches_safetensors(tmp_path, strategy):
 def test_readers_share_one_protocol(tmp_path):
     """RangeReader and the wrappers over it (checksums, DCP) are Readers; a wrapper's bytes and counters are
     its inner reader's."""
-    from distload.dcp import DcpReader
-    from distload.handoff import ChecksumReader
+    from distload.checkpoint.dcp import DcpReader
+    from distload.sharded.reload import ChecksumReader
 
     tensors = golden_tensors()
     save_file(tensors, str(tmp_path / "model.safetensors"))

@@ -439,7 +439,7 @@ CASES = [
     Case("checksums-ok", _checksums_ok, fault="", ok=True),
     Case("checksum-mismatch", _checksum_mismatch),
     Case("nonfinite", _nonfinite, fault=""),
-    # checked while reading (handoff.py), so this one does reach the transfer
+    # checked while reading (sharded/reload.py), so this one does reach the transfer
     Case("sharded-save-tampered", _sharded_tampered, base="", fault="", after="checksums-ok", same_text=False),
     Case("fault-read-error", _fault_read_error, fault="read-error@rank0:read:3"),
     Case("fault-read-error-owners", _fault_read_error_owners, fault="read-error@rank1:read:2"),

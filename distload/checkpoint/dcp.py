@@ -37,11 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import names
-from .checkpoint import CheckpointIndex, RangeReader, ReaderWrapper, TensorEntry
-from .checkpoint.discover import _read_config, resolve_inside
-from .dtypes import TORCH_TO_SAFETENSORS
-from .errors import CheckpointError
+from .. import names
+from ..dtypes import TORCH_TO_SAFETENSORS
+from ..errors import CheckpointError
+from ..rules import rules_for
+from .discover import CheckpointIndex, _read_config, resolve_inside
+from .header import TensorEntry
+from .reader import RangeReader, ReaderWrapper
 
 log = logging.getLogger("distload")
 
@@ -234,8 +236,6 @@ def _model_prefix(keys: list[str], rules) -> str:
 def discover_dcp(root: str | os.PathLike, hf_config: str | None = None, rules_path: str | None = None) -> DcpIndex:
     """Index a DCP directory: validate every chunk's placement before a tensor byte is read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from .rules import rules_for
 
     root = os.path.abspath(root)
     config_dir = hf_config or root
