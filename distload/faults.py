@@ -29,7 +29,7 @@ _passes: dict[str, int] = {}
 
 
 @functools.lru_cache(maxsize=4)
-def _parse(spec: str) -> tuple[str, int | None, str, int]:
+def parse_spec(spec: str) -> tuple[str, int | None, str, int]:
     action, _, where = spec.partition("@")
     rank = None
     if where.startswith("rank") and ":" in where:
@@ -49,7 +49,7 @@ def hit(point: str) -> None:
     spec = os.environ.get("DISTLOAD_FAULT")
     if not spec:
         return
-    action, rank, want, count = _parse(spec)
+    action, rank, want, count = parse_spec(spec)
     me = int(os.environ.get("RANK", "0"))
     if want != point or (rank is not None and rank != me):
         return

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import names, topology
-from .checkpoint.discover import _read_config
+from .checkpoint.discover import read_config
 from .checkpoint.header import TensorEntry
 from .delivery import transfer_phase
 from .dtypes import TORCH_TO_SAFETENSORS, itemsize, torch_dtype
@@ -103,7 +103,7 @@ def _destination(target, config, tp: int | None, ep: int, rules_path: str | None
         raise DistloadError("refit into a module or a dict of params needs config= (the model's config.json as a "
                             "dict, or the directory holding it); a LoadResult carries its own")
     if not isinstance(config, dict):
-        config = _read_config(str(config))
+        config = read_config(str(config))
     if isinstance(target, torch.nn.Module):
         data_of: dict[int, torch.Tensor] = {}
         params = {n: data_of.setdefault(id(p), p.data) for n, p in target.named_parameters(remove_duplicate=False)}

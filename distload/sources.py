@@ -24,7 +24,7 @@ from typing import Protocol
 
 from .checkpoint import RangeReader, discover
 from .checkpoint.dcp import DcpReader, discover_dcp
-from .checkpoint.discover import _read_config
+from .checkpoint.discover import read_config
 from .checkpoint.early_fetch import start_early_fetch
 from .checkpoint.legacy import is_legacy_file
 from .errors import CheckpointError
@@ -73,7 +73,7 @@ class CheckpointSource:
     def discover(self):
         index = discover(self.path)
         if self.options.hf_config:
-            index = replace(index, config=_read_config(self.options.hf_config))
+            index = replace(index, config=read_config(self.options.hf_config))
         if not index.config:  # every plan needs it (architectures, head counts): say so, not "unknown family"
             raise missing_config(index.root)
         return index

@@ -774,13 +774,13 @@ def test_faults_under_the_python_api(bases, tmp_path):
 
 
 def test_fault_spec_parsing():
-    from distload.faults import _parse
+    from distload.faults import parse_spec
 
-    assert _parse("kill@rank1:save-sharded (write)") == ("kill", 1, "save-sharded (write)", 1)
-    assert _parse("read-error@rank0:read:3") == ("read-error", 0, "read", 3)
-    assert _parse("kill@transfer") == ("kill", None, "transfer", 1)
+    assert parse_spec("kill@rank1:save-sharded (write)") == ("kill", 1, "save-sharded (write)", 1)
+    assert parse_spec("read-error@rank0:read:3") == ("read-error", 0, "read", 3)
+    assert parse_spec("kill@transfer") == ("kill", None, "transfer", 1)
     with pytest.raises(ValueError, match="ACTION@"):
-        _parse("explode@transfer")
+        parse_spec("explode@transfer")
 
 
 def test_checksums_file_format(tmp_path):

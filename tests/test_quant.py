@@ -12,7 +12,6 @@ must equal the checkpoint's own fp8 bytes and scales, sliced here by hand.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -26,14 +25,13 @@ from distload.kernels import (
     FP8_DTYPE,
     block_scale_shape,
     dequantize_fp8_block_reference,
-    quantize_fp8_block_reference,
-    quantize_fp8_per_tensor_reference,
 )
 from distload.plan import build_plan
 from distload.plan.quant import checkpoint_scheme
 from distload.plan.shard import view2d
 from distload.rules import rules_for
 from distload.topology import Layout
+from fp8_checkpoints import CKPT_LINEAR, quantization_config, quantized_checkpoint, skew_parts
 from checks import TOY_MOE_RULES, module_from_specs, toy_rules
 from hf_metadata import decoder_config, decoder_shapes, laid_out, sharded_entries
 from spawn import run_ranks
@@ -43,64 +41,10 @@ LAYERS = 4                       # enough layers that "one layer at a time" diff
 FP8_ERROR = 0.08                 # relative Frobenius error allowed by FP8 (e4m3: ~2-4% in practice)
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.(qkv|o)_proj\.|mlp\.(gate_up|down)_proj\.|"
                     r"block_sparse_moe\.experts\.w(13|2)_)weight$")                 # serving names
-CKPT_LINEAR = re.compile(r"model\.layers\.\d+\.(.*_proj|.*experts\.\d+\.w[123])\.weight$")  # on disk
-
-
-# ----------------------------------------------------------------------------------------------------
-# Making FP8 checkpoints from real tiny models
-
-
-def _quantized_checkpoint(src: Path, out: Path, kind: str, *, block=(16, 16), ct: bool = False) -> Path:
-    """Copy checkpoint `src` to `out` with every linear weight quantized (kind 'tensor' or 'block'); the
-    same files as the original, each scale in its weight's file, index.json and config.json updated."""
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir(parents=True)
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    for i, f in enumerate(sorted(src.glob("*.safetensors"))):
-        tensors = {}
-        for n, w in sorted(load_file(f).items()):
-            if not CKPT_LINEAR.match(n):
-                tensors[n] = w
-                continue
-            base = n[: -len("weight")]
-            if kind == "tensor":
-                q, scale = quantize_fp8_per_tensor_reference(w)
-                tensors[base + "weight_scale"] = scale.reshape((1,) if ct else ())
-                # a static activation scale, different for every weight (so "max of the parts" is visible)
-                seed = sum(map(ord, n)) % 97
-                tensors[base + "input_scale"] = torch.tensor(0.01 + 0.001 * seed).reshape((1,) if ct else ())
-            else:
-                q, scale = quantize_fp8_block_reference(w, block)
-                tensors[base + ("weight_scale" if ct else "weight_scale_inv")] = scale
-            tensors[n] = q
-        for n in tensors:
-            index["weight_map"][n] = f.name
-        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = _quantization_config(kind, block, ct)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
-def _quantization_config(kind: str, block: tuple[int, int], ct: bool) -> dict:
-    """config.json's quantization_config of a checkpoint quantized per `kind` ('tensor' or 'block')."""
-    if ct:
-        weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False,
-                   "strategy": "tensor" if kind == "tensor" else "block",
-                   "block_structure": None if kind == "tensor" else list(block)}
-        acts = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False} if kind == "tensor" else None
-        return {"quant_method": "compressed-tensors", "format": "float-quantized",
-                "ignore": ["lm_head"], "quantization_status": "compressed",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
-    if kind == "tensor":
-        return {"quant_method": "fp8", "activation_scheme": "static"}
-    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
 
 
 def _metadata(family: str, kind: str | None = None, *, block=(16, 16), ct: bool = False, **overrides):
-    """(entries, config) of the BF16 `family` checkpoint, or of it quantized as _quantized_checkpoint does,
+    """(entries, config) of the BF16 `family` checkpoint, or of it quantized as quantized_checkpoint does,
     as metadata only (tests/hf_metadata.py): what the plan-time tests plan."""
     config = decoder_config(family, **overrides)
     entries = sharded_entries(decoder_shapes(config), "BF16")
@@ -118,21 +62,7 @@ def _metadata(family: str, kind: str | None = None, *, block=(16, 16), ct: bool 
                 tensors[base + suffix] = (e.file, "F32", (1,) if ct else ())
         else:
             tensors[base + ("weight_scale" if ct else "weight_scale_inv")] = (e.file, "F32", block_scale_shape(e.shape, block))
-    return laid_out(tensors), {**config, "quantization_config": _quantization_config(kind, block, ct)}
-
-
-def _skew_parts(path: Path) -> Path:
-    """Give the parts of fused params different magnitudes (k 4x q and v, up 1/4 of gate), as real models
-    have: a fused param's scale must then be requantized, and a plain max of the scales would be far off."""
-    from safetensors.torch import load_file, save_file
-
-    for f in path.glob("*.safetensors"):
-        tensors = load_file(f)
-        for n in tensors:
-            if n.endswith(("k_proj.weight", "up_proj.weight", ".w3.weight")):
-                tensors[n] = tensors[n] * (4.0 if "k_proj" in n else 0.25)
-        save_file(tensors, str(f), metadata={"format": "pt"})
-    return path
+    return laid_out(tensors), {**config, "quantization_config": quantization_config(kind, block, ct)}
 
 
 @pytest.fixture(scope="module")
@@ -140,21 +70,21 @@ def checkpoints(tmp_path_factory):
     from hf_models import save_checkpoint
 
     root = tmp_path_factory.mktemp("quant")
-    llama = _skew_parts(save_checkpoint("llama", root / "llama", dtype=torch.bfloat16, num_hidden_layers=LAYERS))
-    qwen2 = _skew_parts(save_checkpoint("qwen2", root / "qwen2", dtype=torch.bfloat16))
+    llama = skew_parts(save_checkpoint("llama", root / "llama", dtype=torch.bfloat16, num_hidden_layers=LAYERS))
+    qwen2 = skew_parts(save_checkpoint("qwen2", root / "qwen2", dtype=torch.bfloat16))
     phi3 = save_checkpoint("phi3", root / "phi3", dtype=torch.bfloat16)
-    mixtral = _skew_parts(save_checkpoint("mixtral", root / "mixtral", dtype=torch.bfloat16))
+    mixtral = skew_parts(save_checkpoint("mixtral", root / "mixtral", dtype=torch.bfloat16))
     return {
         "llama": llama, "qwen2": qwen2, "phi3": phi3, "mixtral": mixtral,
-        "mixtral-fp8": _quantized_checkpoint(mixtral, root / "mixtral-fp8", "tensor"),
-        "mixtral-block": _quantized_checkpoint(mixtral, root / "mixtral-block", "block"),
-        "llama-fp8": _quantized_checkpoint(llama, root / "llama-fp8", "tensor"),
-        "qwen2-ct": _quantized_checkpoint(qwen2, root / "qwen2-ct", "tensor", ct=True),
-        "phi3-fp8": _quantized_checkpoint(phi3, root / "phi3-fp8", "tensor"),
-        "llama-block": _quantized_checkpoint(llama, root / "llama-block", "block"),
-        "phi3-block": _quantized_checkpoint(phi3, root / "phi3-block", "block"),
-        "qwen2-ct-block": _quantized_checkpoint(qwen2, root / "qwen2-ct-block", "block", ct=True),
-        "llama-block32": _quantized_checkpoint(llama, root / "llama-block32", "block", block=(32, 32)),
+        "mixtral-fp8": quantized_checkpoint(mixtral, root / "mixtral-fp8", "tensor"),
+        "mixtral-block": quantized_checkpoint(mixtral, root / "mixtral-block", "block"),
+        "llama-fp8": quantized_checkpoint(llama, root / "llama-fp8", "tensor"),
+        "qwen2-ct": quantized_checkpoint(qwen2, root / "qwen2-ct", "tensor", ct=True),
+        "phi3-fp8": quantized_checkpoint(phi3, root / "phi3-fp8", "tensor"),
+        "llama-block": quantized_checkpoint(llama, root / "llama-block", "block"),
+        "phi3-block": quantized_checkpoint(phi3, root / "phi3-block", "block"),
+        "qwen2-ct-block": quantized_checkpoint(qwen2, root / "qwen2-ct-block", "block", ct=True),
+        "llama-block32": quantized_checkpoint(llama, root / "llama-block32", "block", block=(32, 32)),
     }
 
 
@@ -340,12 +270,12 @@ def test_block_steps_in_bands_equal_whole_matrices(monkeypatch):
     torch.manual_seed(0)
     for shape in ((100, 40), (3, 70, 40)):  # partial edge blocks; experts
         w = torch.randn(shape) * torch.linspace(0.1, 10, shape[-2]).unsqueeze(-1)
-        q, s = postprocess._quantize_block(Step("quantize_block", ("w",), ("w", "s"), block=(16, 16)), None, w)
+        q, s = postprocess.OPS["quantize_block"](Step("quantize_block", ("w",), ("w", "s"), block=(16, 16)), None, w)
         want_q, want_s = quantize_fp8_block(w, (16, 16))
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
         final = type("Spec", (), {"dtype": "F32"})()
-        (deq,) = postprocess._dequantize_block(Step("dequantize_block", ("w", "s"), ("w",), block=(16, 16)),
-                                               [final], q, s)
+        (deq,) = postprocess.OPS["dequantize_block"](Step("dequantize_block", ("w", "s"), ("w",), block=(16, 16)),
+                                                     [final], q, s)
         assert torch.equal(deq, dequantize_fp8_block(q, s, (16, 16), torch.float32))
 
 

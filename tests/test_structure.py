@@ -200,23 +200,16 @@ def private_uses(name: str) -> list[str]:
     return sorted(found)
 
 
-# Strict: each check main still fails passes the suite only while it fails; remove the mark once it holds.
-ISSUE_16_OPEN = pytest.mark.xfail(strict=True, reason="issue 16 open: main still has these violations (listed by the test)")
-
-
-@ISSUE_16_OPEN
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, "import cycles (function-local imports included):\n" + "\n".join(cycles)
 
 
-@ISSUE_16_OPEN
 def test_no_private_names_across_modules():
     uses = [use for name in sorted(modules()) for use in private_uses(name)]
     assert not uses, "private names used outside their module (make them public or move them):\n" + "\n".join(uses)
 
 
-@ISSUE_16_OPEN
 def test_modules_are_at_most_400_lines():
     long = [
         f"{path.relative_to(ROOT)}: {n} lines"
@@ -226,7 +219,6 @@ def test_modules_are_at_most_400_lines():
     assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
 
 
-@ISSUE_16_OPEN
 def test_functions_are_at_most_80_lines_outside_scripts():
     long = []
     for path in modules().values():
@@ -273,7 +265,6 @@ PROBE = "import sys, json, torch; before = set(sys.modules); import {0}; print(j
 
 
 @pytest.mark.spawns
-@ISSUE_16_OPEN
 @pytest.mark.parametrize("module", ["distload.names", "distload.plan"])
 def test_pure_modules_import_without_the_transfer_engine(module):
     proc = subprocess.run([sys.executable, "-c", PROBE.format(module)], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from distload.checkpoint import RangeReader, discover
 from distload.loader import allocate

@@ -41,7 +41,7 @@ from .. import names
 from ..dtypes import TORCH_TO_SAFETENSORS
 from ..errors import CheckpointError
 from ..rules import rules_for
-from .discover import CheckpointIndex, _read_config, resolve_inside
+from .discover import CheckpointIndex, read_config, resolve_inside
 from .header import TensorEntry
 from .reader import RangeReader, ReaderWrapper
 
@@ -242,7 +242,7 @@ def discover_dcp(root: str | os.PathLike, hf_config: str | None = None, rules_pa
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise CheckpointError(f"{root}: a DCP checkpoint has no config.json; pass --hf-config DIR, a directory "
                               f"holding the model's Hugging Face config.json")
-    config = _read_config(config_dir)
+    config = read_config(config_dir)
     metadata = read_metadata(root)
     tensors = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     if not tensors:
