@@ -218,8 +218,9 @@ def rank_messages(plan, rank: int) -> tuple[int, int]:
     return pairs, broadcasts
 
 
-def reconcile_bytes(plan, rank: int, world: int) -> tuple[int, int]:
-    """(this rank's detailed record, bytes it receives in the reconciliation on success) for this plan."""
+def detail_record_bytes(plan, rank: int) -> int:
+    """Bytes of this rank's detailed reconciliation record (local_record and its report), as pickled: what
+    travels only when something differs (the success path sends reconcile.SUMMARY_BYTES)."""
     specs = plan.specs[rank]
     params = {n: object() for n in specs}
     for n, s in specs.items():
@@ -230,9 +231,7 @@ def reconcile_bytes(plan, rank: int, world: int) -> tuple[int, int]:
     report = {"rank": rank, "device": "cuda:0", **{k: 1 << 40 for k in ("bytes_read", "bytes_received", "bytes_sent",
               "bytes_from_other_nodes", "peak_rss_bytes", "peak_device_bytes", "io_read_bytes")},
               "files_opened": 191, "transfer_path": "broadcast", "read_strategy": "buffered"}
-    detail = len(pickle.dumps({**record, "report": report}))
-    slot = 16 << 10  # the success path: one all-gather of 16 KiB slots, a second sized to the largest record
-    return detail, world * (slot + (detail if detail > slot - 8 else 0))
+    return len(pickle.dumps({**record, "report": report}))
 
 
 class _FakeFingerprint:
@@ -256,9 +255,8 @@ def measure(model: str, world: int, rank: int, cache: Path) -> dict:
     plan_digest(plan)
     cpu_digest = time.process_time() - cpu0
     pairs, bcasts = rank_messages(plan, rank)
-    detail, received = reconcile_bytes(plan, rank, world)
     return dict(tensors=len(index.tensors), plan_s=cpu_plan, peak_mb=peak / 1e6, buckets=len(plan.buckets),
-                p2p=pairs, bcast=bcasts, record=detail, recv=received, digest_s=cpu_digest, ep=layout.ep)
+                p2p=pairs, bcast=bcasts, record=detail_record_bytes(plan, rank), digest_s=cpu_digest, ep=layout.ep)
 
 
 def _rss_now() -> int:
@@ -297,14 +295,16 @@ def _child_rss_mb(pid: int) -> float:
 
 
 COLUMNS = ("model", "world", "tensors", "plan CPU s", "plan peak MB", "buckets", "p2p pairs (rank)",
-           "broadcasts (rank)", "reconcile record B", "reconcile recv/rank B", "plan_digest CPU s")
+           "broadcasts (rank)", "plan_digest CPU s", "detail record B", "reconcile recv/rank B")
 
 
 def table_row(model: str, world: int, res) -> str:
+    # On success every rank receives every rank's fixed-size summary, planned or not.
+    received = f"{world * reconcile.SUMMARY_BYTES:,}"
     if isinstance(res, str):
-        return f"| {model} | {world} | " + " | ".join([res] + [""] * (len(COLUMNS) - 3)) + " |"
+        return f"| {model} | {world} | " + " | ".join([res] + [""] * (len(COLUMNS) - 4) + [received]) + " |"
     cells = [res["tensors"], f"{res['plan_s']:.2f}", f"{res['peak_mb']:.0f}", res["buckets"], res["p2p"],
-             res["bcast"], res["record"], res["recv"], f"{res['digest_s']:.2f}"]
+             res["bcast"], f"{res['digest_s']:.2f}", res["record"], received]
     return f"| {model} | {world}" + (f" (ep {res['ep']})" if res["ep"] > 1 else "") + " | " + \
         " | ".join(f"{c:,}" if isinstance(c, int) else c for c in cells) + " |"
 
