@@ -23,5 +23,5 @@ class Case:
     nproc: int = 2
     after: str = ""          # id of a case whose workspace (a sharded save) this one copies from
     lost_rank: int | None = None   # this rank is lost (prints nothing; must still end nonzero), the others name it
-    never_starts: bool = False     # the lost rank's process exits before distload starts (before the rendezvous)
+    never_starts: bool = False     # the lost rank's process never starts distload (never reaches the rendezvous)
     env: tuple[tuple[str, str], ...] = ()

@@ -2,7 +2,8 @@
 
 Each rank runs under a two-line shell wrapper that only records the rank's own output and exit code
 (torchrun reports the exit code of the first rank to fail, and SIGTERMs the rest; ignoring TERM in the
-wrapper lets every rank end by itself, which is what distload promises). torchrun's own output, with its
+wrapper lets every rank end by itself, which is what distload promises). A rank lost before the
+rendezvous is a process that never starts distload and waits until torchrun ends it. torchrun's own output, with its
 own traceback for a failed job, is kept apart from the ranks'.
 """
 
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 WRAPPER = """trap '' TERM
 log="$HOSTILE_WS/rank$RANK"
-if [ "$RANK" = "$HOSTILE_NEVER_STARTS" ]; then echo 1 > "$log.rc"; exit 1; fi
+if [ "$RANK" = "$HOSTILE_NEVER_STARTS" ]; then trap - TERM; exec sleep 600; fi
 "$HOSTILE_PY" -m distload load "$@" > "$log.out" 2>&1
 rc=$?
 echo $rc > "$log.rc"
@@ -110,7 +111,7 @@ def classify(case: Case, ranks: dict[int, tuple[int | None, str]]) -> tuple[str,
     problems = []
     for r in sorted(ranks):
         want = 0 if r == case.lost_rank else 1
-        if codes[r] is None or codes[r] == 0:
+        if codes[r] == 0 or (codes[r] is None and r != case.lost_rank):  # a lost rank may be killed
             problems.append(f"rank {r} exit code {codes[r]}")
         if len(lines[r]) != want and not (r == case.lost_rank and len(lines[r]) <= 1):
             problems.append(f"rank {r}: {len(lines[r])} error lines")
