@@ -141,10 +141,11 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     route, strategy = decide_route(source, found, plan, topo.device, rank, options)
     reader, transfer, route = transfer_phase(
         plan, rank, params, topo.device, route=route, progress=options.progress,
-        open_reader=lambda: source.open_reader(found, plan, strategy, plan.layout.reads_by_node),
+        open_reader=lambda: source.open_reader(found, plan, rank, strategy, plan.layout.reads_by_node),
         on_bucket_done=post and post.on_bucket_done, after_transfer=lambda r: record.update(source.after_transfer(r)),
         shm=options.tuning.shm)
     clock.lap("transfer")
+    record.update(source.after_landing(found, plan, rank, clock))
     written = transfer.stats.written
     if post is not None:  # steps not run during the transfer; the written record carried to the final params
         written = run_phase("postprocess", lambda: post.finish(transfer.stats.written))

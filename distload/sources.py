@@ -8,8 +8,9 @@ same for every source; a source answers its few questions:
     plan(found, layout)              the LoadPlan for this job's layout (pure)
     before_transfer(found, plan, rank, clock)  collective checks before a byte moves; report fields
     copy_blocker(found, plan)        why its bytes cannot be copied from its files as they are (None: they can)
-    open_reader(found, plan, strategy, exact)  the reader of its files
+    open_reader(found, plan, rank, strategy, exact)  the reader of its files
     after_transfer(reader)           inside the transfer phase: report fields (checksums verified)
+    after_landing(found, plan, rank, clock)    collective checks once every byte landed; report fields
     report_extra(found, plan)        the report's source-specific fields
 
 Three sources: Hugging Face safetensors / legacy .bin/.pt (`CheckpointSource`), torch.distributed.checkpoint
@@ -28,7 +29,7 @@ from .checkpoint.discover import read_config
 from .checkpoint.early_fetch import start_early_fetch
 from .checkpoint.legacy import is_legacy_file
 from .errors import CheckpointError
-from .integrity import checksum_problems, checksum_verdict, files_for_reader
+from .integrity import checksum_verdict, hash_while_reading, listing_problems
 from .plan import DEFAULT_STAGING_BYTES, build_plan
 from .rules import rules_for
 from .transfer.agreement import verdict_everywhere
@@ -53,8 +54,9 @@ class Source(Protocol):
     def plan(self, found, layout): ...
     def before_transfer(self, found, plan, rank: int, clock) -> dict: ...
     def copy_blocker(self, found, plan) -> str | None: ...
-    def open_reader(self, found, plan, strategy: str, exact: bool): ...
+    def open_reader(self, found, plan, rank: int, strategy: str, exact: bool): ...
     def after_transfer(self, reader) -> dict: ...
+    def after_landing(self, found, plan, rank: int, clock) -> dict: ...
     def report_extra(self, found, plan) -> dict: ...
 
 
@@ -69,6 +71,8 @@ class CheckpointSource:
 
     def __init__(self, path: str, options):
         self.path, self.options = path, options
+        self.hashing = None          # --verify-checksums: this rank's HashingReader (integrity.py)
+        self.checksum_problems: list[str] = []
 
     def discover(self):
         index = discover(self.path)
@@ -97,21 +101,41 @@ class CheckpointSource:
     def before_transfer(self, found, plan, rank: int, clock) -> dict:
         if not self.options.verify_checksums:
             return {}
-        readers = plan.layout.readers  # they hash the weight files (each file once) before a byte is sent
-        verdict_everywhere("verify-checksums", lambda: checksum_problems(found.root, found.files, readers, rank),
+        readers = plan.layout.readers  # the checksums list is there and names every file; hashed as read
+        verdict_everywhere("verify-checksums", lambda: listing_problems(found.root, found.files, readers, rank),
                            lambda found_problems: checksum_verdict(found_problems, found.root))
         clock.lap("verify-checksums")
-        return {"checksum_files_verified": len(files_for_reader(found.files, readers, rank))}
+        return {}
 
     def copy_blocker(self, found, plan) -> str | None:
         if any(is_legacy_file(src.file) for src in plan.sources.values()):
             return "torch.load files are unpickled whole"
+        if self.options.verify_checksums:  # direct copies bypass read_into, where the readers hash
+            return "--verify-checksums hashes the bytes as the readers read them"
         return None
 
-    def open_reader(self, found, plan, strategy: str, exact: bool):
+    def files_reader(self, found, strategy: str, exact: bool):
         return RangeReader(found.root, strategy=strategy, exact=exact)
 
+    def open_reader(self, found, plan, rank: int, strategy: str, exact: bool):
+        reader = self.files_reader(found, strategy, exact)
+        if not self.options.verify_checksums:
+            return reader
+        reader, self.hashing = hash_while_reading(reader, found.root, found.files, plan.layout.readers, rank)
+        return reader
+
     def after_transfer(self, reader) -> dict:
+        if self.hashing is None:  # before the reader closes: the hashes read what the transfer skipped
+            return {}
+        self.checksum_problems = self.hashing.finish()
+        return {"checksum_files_verified": self.hashing.files_verified()}
+
+    def after_landing(self, found, plan, rank: int, clock) -> dict:
+        if not self.options.verify_checksums:
+            return {}
+        verdict_everywhere("verify-checksums", lambda: self.checksum_problems,
+                           lambda found_problems: checksum_verdict(found_problems, found.root))
+        clock.lap("verify-checksums")
         return {}
 
     def report_extra(self, found, plan) -> dict:
@@ -130,5 +154,5 @@ class DcpSource(CheckpointSource):
     def copy_blocker(self, found, plan) -> str | None:
         return "a torch.distributed.checkpoint directory is read chunk by chunk"
 
-    def open_reader(self, found, plan, strategy: str, exact: bool):
+    def files_reader(self, found, strategy: str, exact: bool):
         return DcpReader(found, strategy, exact=exact)

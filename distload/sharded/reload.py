@@ -68,12 +68,15 @@ class ShardedSource:
         return "a sharded save: each rank reads its own rank file" + (", checking its sha256" if self.checksums
                                                                        else "")
 
-    def open_reader(self, found, plan, strategy: str, exact: bool):
+    def open_reader(self, found, plan, rank: int, strategy: str, exact: bool):
         reader = RangeReader(str(self.root), strategy=strategy)
         return ChecksumReader(reader, self._expected) if self._expected is not None else reader
 
     def after_transfer(self, reader) -> dict:
         return {"checksums_verified": reader.verify()} if isinstance(reader, ChecksumReader) else {}
+
+    def after_landing(self, found, plan, rank: int, clock) -> dict:
+        return {}  # checked inside the transfer (after_transfer): each rank its own files
 
     def report_extra(self, manifest: dict, plan) -> dict:
         saved = describe_topology(manifest["world_size"], manifest["tp"], manifest["ep"])
