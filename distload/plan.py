@@ -17,7 +17,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from . import names, quant_plan
+from . import expected_shapes, names, quant_plan
 from .dtypes import itemsize
 from .errors import PlanError, RuleError
 from .rules import FamilyRules, ParamRule
@@ -644,6 +644,10 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     specs: list[dict[str, ParamSpec]] = [dict() for _ in range(layout.world)]
     deliveries: dict[str, list[Delivery]] = {}
     planned = {t.name: _layouts_for_target(t, tensors, rules, config, layout, hosts) for t in targets}
+    # Every claimed tensor against the full shape and dtype the rules imply (the cuts above check only the
+    # sizes they use), before any byte is read.
+    expected_shapes.check_shapes(targets, tensors, rules, config)
+    expected_shapes.check_dtypes(targets, companions, tensors, quantized=scheme is not None)
     for c in companions:  # cut from the weight's own layout, so weight and scale shards always match
         t = by_name[c.weight]
         group = layout.expert_group_size if t.rule.style == "expert" else layout.tp

@@ -56,13 +56,15 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from . import names
+from . import dim_expr, names
 from .errors import RuleError
 
 STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "expert")
 INNER_STYLES = ("column", "row", "merged", "replicate")
 TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets"}
-PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless"}
+PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
+              "dtype"}
+DTYPE_POLICIES = ("float", "any-float")   # float: the checkpoint's weight dtype; any-float: any float width
 FORM_KEYS = {"parts", "split", "stacked"}      # what an `alternative` checkpoint form may change
 SET_KEYS = {"loop", "every", "from", "skip"}
 
@@ -80,6 +82,8 @@ class ParamRule:
     alternatives: tuple["ParamRule", ...] = ()   # other checkpoint forms of the same target, in order
     only: str | None = None         # a [sets] name: the target exists only for those loop values
     unless: str | None = None       # a [sets] name: the target exists except for those loop values
+    shape: tuple[str, ...] = ()     # full logical shape, one dim expression per axis (style expert: one expert)
+    dtype: str = "float"            # DTYPE_POLICIES: which stored dtypes the param accepts
 
     @property
     def forms(self) -> tuple["ParamRule", ...]:
@@ -120,7 +124,13 @@ class FamilyRules:
         """Evaluate a named dim against config.json; RuleError if no alternative is present."""
         if dim_name not in self.dims:
             raise RuleError(f"{self.source}: rule needs dim {dim_name!r}, which [dims] does not define")
-        return eval_dim(self.dims[dim_name], config, f"{self.source} [dims] {dim_name}")
+        return self.dim_keys(config, dim_name)[0]
+
+    def dim_keys(self, config: dict, dim_name: str) -> tuple[int, tuple[str, ...]]:
+        """A named dim's value and the config.json keys it was computed from (for messages)."""
+        if dim_name not in self.dims:
+            raise RuleError(f"{self.source}: rule needs dim {dim_name!r}, which [dims] does not define")
+        return dim_expr.evaluate(self.dims[dim_name], dim_expr.config_lookup(config), f"{self.source} [dims] {dim_name}")
 
     def members(self, config: dict, set_name: str, values: range) -> set[int]:
         """The values of `values` (the loop's range) that belong to [sets] `set_name` for this config."""
@@ -135,26 +145,8 @@ class FamilyRules:
 
 
 def eval_dim(expr: str, config: dict, where: str) -> int:
-    """'a|b/c|8' -> the first alternative whose keys are all present in config, as an int."""
-    for alternative in expr.split("|"):
-        terms = alternative.strip().split("/")
-        values = []
-        for term in terms:
-            term = term.strip()
-            if term.isdigit():
-                values.append(int(term))
-            elif isinstance(config.get(term), int) and not isinstance(config.get(term), bool):
-                values.append(config[term])
-            else:
-                break
-        else:
-            value = values[0]
-            for v in values[1:]:
-                if v == 0 or value % v:
-                    raise RuleError(f"{where}: {alternative!r} = {value}/{v} is not a whole number; check config.json")
-                value //= v
-            return value
-    raise RuleError(f"{where}: config.json has none of {expr!r}; add the key to config.json or fix the rule")
+    """'a|b/c|8' or 'a * b + 1' -> the first alternative whose keys are all present in config, as an int."""
+    return dim_expr.evaluate(expr, dim_expr.config_lookup(config), where)[0]
 
 
 def _config_dir():
@@ -168,6 +160,20 @@ def _read_toml(path) -> dict:
         raise RuleError(f"{path}: not valid TOML: {exc}") from None
 
 
+def _parent_file(path, parent):
+    """The file `extends = parent` names: next to the extending file first, else the shipped family."""
+    if not isinstance(parent, str) or not parent or "/" in parent or "\\" in parent:
+        raise RuleError(f"{path}: extends must name a family (a file stem such as \"llama\"), got {parent!r}")
+    beside = path.parent / f"{parent}.toml" if isinstance(path, Path) else None
+    if beside is not None and beside.is_file():
+        return beside
+    shipped = _config_dir() / f"{parent}.toml"
+    if not shipped.is_file():
+        beside_text = f"{beside} does not exist, nor does" if beside is not None else "there is no"
+        raise RuleError(f"{path}: extends {parent!r}, but {beside_text} a shipped configs/{parent}.toml")
+    return shipped
+
+
 def _merged_tables(path, seen=()) -> dict:
     data = _read_toml(path)
     unknown = set(data) - TOP_KEYS
@@ -178,9 +184,7 @@ def _merged_tables(path, seen=()) -> dict:
         return data
     if parent in seen:
         raise RuleError(f"{path}: 'extends' cycle through {parent!r}")
-    base_path = path.parent / f"{parent}.toml" if isinstance(path, Path) else _config_dir() / f"{parent}.toml"
-    if not base_path.is_file():
-        raise RuleError(f"{path}: extends {parent!r}, but {base_path} does not exist")
+    base_path = _parent_file(path, parent)
     base = _merged_tables(base_path, seen + (parent,))
     for key in ("dims", "loops", "params", "sets"):
         base[key] = {**base.get(key, {}), **data.get(key, {})}
@@ -215,6 +219,19 @@ def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, d
         raise RuleError(f"{where}: params.{target!r}: a stacked form has one source without {{expert}} "
                         f"(dim 0 is the expert); use split for its logical parts")
     return dict(parts=parts, split=split, stacked=stacked)
+
+
+def _parse_shape(table: dict, target: str, where: str, dims: dict) -> tuple[str, ...]:
+    """`shape = ["hidden", "heads * head_dim"]`: one expression of [dims] names per axis."""
+    shape = table.get("shape", [])
+    if not isinstance(shape, list) or not all(isinstance(d, str) for d in shape):
+        raise RuleError(f"{where}: params.{target!r}: shape must be a list of dim expressions, got {shape!r}")
+    for expr in shape:
+        unknown = dim_expr.names_in(expr) - set(dims)
+        if unknown:
+            raise RuleError(f"{where}: params.{target!r}: shape entry {expr!r} names {sorted(unknown)}, "
+                            f"not in [dims]; define them there (shapes use dim names, not config.json keys)")
+    return tuple(shape)
 
 
 def _parse_sets(data: dict, where: str) -> dict[str, LoopSet]:
@@ -265,7 +282,10 @@ def parse_rules(path) -> FamilyRules:
         pad_to = table.get("pad_to", 64)
         if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 1:
             raise RuleError(f"{where}: params.{target!r}: pad_to must be a positive integer, got {pad_to!r}")
-        common = dict(target=target, style=style, inner=inner, pad_to=pad_to)
+        common = dict(target=target, style=style, inner=inner, pad_to=pad_to,
+                      shape=_parse_shape(table, target, where, dims), dtype=table.get("dtype", "float"))
+        if common["dtype"] not in DTYPE_POLICIES:
+            raise RuleError(f"{where}: params.{target!r}: dtype {common['dtype']!r}; allowed: {', '.join(DTYPE_POLICIES)}")
         alternatives = table.get("alternative", [])
         if isinstance(alternatives, dict):
             alternatives = [alternatives]
