@@ -53,7 +53,7 @@ def shape_exprs(rule, target_name: str, rules) -> tuple[str, ...]:
     have = set(rules.dims)
     if style == "vocab" and {"vocab", "hidden"} <= have:
         return ("vocab", "hidden")
-    if style == "qkv" and {"heads", "kv_heads", "head_dim", "hidden"} <= have:
+    if style in ("qkv", "qkv_grouped") and {"heads", "kv_heads", "head_dim", "hidden"} <= have:
         rows = "(heads + 2 * kv_heads) * head_dim"
         return (rows,) if target_name.endswith(".bias") else (rows, "hidden")
     return ()
@@ -98,7 +98,7 @@ def expected_sources(target, rules, config: dict) -> list[Expected]:
     logical = logical_shape(rule, target.name, rules, config)
     if logical is None:
         return []
-    keys, transposed = logical.keys, getattr(rule, "transposed", False)
+    keys, transposed = logical.keys, False
     if rule.style == "expert" and rule.stacked:
         experts, used = rules.dim_keys(config, "experts")
         (src,) = target.sources

@@ -17,11 +17,11 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from . import expected_shapes, names, quant_plan
+from . import expected_shapes, loop_sets, names, quant_plan
 from .dtypes import itemsize
 from .errors import PlanError, RuleError
 from .rules import FamilyRules, ParamRule
-from .shard import LocalLayout, Part, Piece, cut, view2d
+from .shard import HEAD_STYLES, LocalLayout, Part, Piece, cut, view2d
 from .topology import Layout
 
 # One bucket (a reader reads it into one staging slot; a rank holds a few: see transfer/). Measured on
@@ -386,7 +386,7 @@ def _layouts_for_target(target, index, rules, config, layout: Layout, hosts) -> 
     entries = [index[s] for s in target.sources]
     dtype = entries[0].dtype
     sizes = {}
-    if (rule.inner or rule.style) == "qkv":
+    if (rule.inner or rule.style) in HEAD_STYLES:
         sizes = dict(heads=rules.dim(config, "heads"), kv_heads=rules.dim(config, "kv_heads"))
     if rule.style != "expert":
         parts = _logical_parts(target, list(target.sources), index, rules, config)
@@ -621,6 +621,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
             if rule.target == alias:
                 tied_sources.update(p for form in rule.forms for p in form.parts)
     dropped = {n for n in tensors if any(names.match(t, n) is not None for t in rules.drop)}
+    dropped |= loop_sets.past_loops(rules.drop_past, tensors, ranges)
     ignored = sorted(dropped | (tied_sources & set(tensors)))
     missing_by_target = {t.name: [s for s in t.sources if s not in tensors] for t in targets}
     missing = sorted(s for ss in missing_by_target.values() for s in ss)

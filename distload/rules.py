@@ -56,17 +56,18 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from . import dim_expr, names
+from . import dim_expr, loop_sets, names
 from .errors import RuleError
+from .loop_sets import LoopSet
 
-STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "expert")
+STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "expert")
 INNER_STYLES = ("column", "row", "merged", "replicate")
-TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets"}
+TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
+            "remove", "drop_past"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
               "dtype"}
 DTYPE_POLICIES = ("float", "any-float")   # float: the checkpoint's weight dtype; any-float: any float width
 FORM_KEYS = {"parts", "split", "stacked"}      # what an `alternative` checkpoint form may change
-SET_KEYS = {"loop", "every", "from", "skip"}
 
 
 @dataclass(frozen=True)
@@ -92,16 +93,6 @@ class ParamRule:
 
 
 @dataclass(frozen=True)
-class LoopSet:
-    """A subset of one loop's values, from config.json (e.g. the MoE layers of a partly dense model)."""
-    name: str
-    loop: str
-    every: str | None = None        # dim n: (v + 1) % n == 0
-    start: str | None = None        # dim k: v >= k            (TOML key `from`)
-    skip: str | None = None         # config.json key of a list of values left out
-
-
-@dataclass(frozen=True)
 class Tie:
     target: str
     to: str
@@ -116,6 +107,7 @@ class FamilyRules:
     dims: dict[str, str] = field(default_factory=dict)
     loops: dict[str, str] = field(default_factory=dict)
     drop: tuple[str, ...] = ()
+    drop_past: tuple[str, ...] = ()               # templates ignored past their loop's range (loop_sets.past_loops)
     ties: tuple[Tie, ...] = ()
     params: tuple[ParamRule, ...] = ()
     sets: dict[str, LoopSet] = field(default_factory=dict)
@@ -134,14 +126,7 @@ class FamilyRules:
 
     def members(self, config: dict, set_name: str, values: range) -> set[int]:
         """The values of `values` (the loop's range) that belong to [sets] `set_name` for this config."""
-        s = self.sets[set_name]
-        every = self.dim(config, s.every) if s.every else 1
-        start = self.dim(config, s.start) if s.start else 0
-        skipped = (config.get(s.skip) or []) if s.skip else []
-        if every < 1 or not isinstance(skipped, list) or not all(isinstance(v, int) for v in skipped):
-            raise RuleError(f"{self.source}: [sets] {set_name}: config.json gives every={every}, {s.skip}={skipped!r}; "
-                            f"expected every >= 1 and a list of integers")
-        return {v for v in values if v >= start and (v + 1) % every == 0 and v not in skipped}
+        return loop_sets.members(self.sets[set_name], lambda d: self.dim(config, d), config, values, self.source)
 
 
 def eval_dim(expr: str, config: dict, where: str) -> int:
@@ -181,6 +166,8 @@ def _merged_tables(path, seen=()) -> dict:
         raise RuleError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
     parent = data.pop("extends", None)
     if parent is None:
+        if "remove" in data:
+            raise RuleError(f"{path}: remove takes params away from the family it extends; this file extends none")
         return data
     if parent in seen:
         raise RuleError(f"{path}: 'extends' cycle through {parent!r}")
@@ -188,7 +175,18 @@ def _merged_tables(path, seen=()) -> dict:
     base = _merged_tables(base_path, seen + (parent,))
     for key in ("dims", "loops", "params", "sets"):
         base[key] = {**base.get(key, {}), **data.get(key, {})}
-    base["drop"] = list(base.get("drop", [])) + list(data.get("drop", []))
+    for key in ("drop", "drop_past"):
+        base[key] = list(base.get(key, [])) + list(data.get(key, []))
+    removed = data.get("remove", [])
+    if not isinstance(removed, list) or not all(isinstance(t, str) for t in removed):
+        raise RuleError(f"{path}: remove must be a list of inherited param names, got {removed!r}")
+    for target in removed:
+        if target not in base["params"]:
+            raise RuleError(f"{path}: remove names {target!r}, which {parent!r} does not define; inherited params: "
+                            f"{names.describe(base['params'])}")
+        if target in data.get("params", {}):
+            raise RuleError(f"{path}: {target!r} is both removed and defined; keep one")
+        del base["params"][target]
     base["tie"] = list(base.get("tie", [])) + list(data.get("tie", []))
     # Identity is never inherited: a family that extends another still names itself and its architectures.
     base["name"], base["architectures"] = data.get("name"), data.get("architectures")
@@ -234,27 +232,12 @@ def _parse_shape(table: dict, target: str, where: str, dims: dict) -> tuple[str,
     return tuple(shape)
 
 
-def _parse_sets(data: dict, where: str) -> dict[str, LoopSet]:
-    out = {}
-    for set_name, table in data.get("sets", {}).items():
-        if not isinstance(table, dict) or set(table) - SET_KEYS or "loop" not in table:
-            raise RuleError(f"{where}: [sets.{set_name}] needs 'loop' and may have {sorted(SET_KEYS - {'loop'})}; "
-                            f"got {sorted(table) if isinstance(table, dict) else table!r}")
-        if table["loop"] not in data.get("loops", {}):
-            raise RuleError(f"{where}: [sets.{set_name}] loop {table['loop']!r} is not in [loops]")
-        for key in ("every", "from"):
-            if key in table and table[key] not in data.get("dims", {}):
-                raise RuleError(f"{where}: [sets.{set_name}] {key} names dim {table[key]!r}, not in [dims]")
-        out[set_name] = LoopSet(set_name, table["loop"], table.get("every"), table.get("from"), table.get("skip"))
-    return out
-
-
 def parse_rules(path) -> FamilyRules:
     """Parse and validate one family file (path or importlib resource)."""
     data = _merged_tables(path)
     where = str(path)
     loops, dims = data.get("loops", {}), data.get("dims", {})
-    sets = _parse_sets(data, where)
+    sets = loop_sets.parse_sets(data, where)
     params = []
     for target, table in data.get("params", {}).items():
         if not isinstance(table, dict):
@@ -302,6 +285,10 @@ def parse_rules(path) -> FamilyRules:
         if bad:
             raise RuleError(f"{where}: [{table_name}] values must be strings (a TOML key after a [table] header "
                             f"belongs to that table: put top-level keys first); got {bad}")
+    for template in data.get("drop_past", []):
+        if not isinstance(template, str) or not names.variables(template) or \
+                set(names.variables(template)) - set(loops):
+            raise RuleError(f"{where}: drop_past entry {template!r} must be a name template using [loops] variables")
     ties = []
     for tie in data.get("tie", []):
         if set(tie) != {"target", "to", "when"}:
@@ -311,7 +298,7 @@ def parse_rules(path) -> FamilyRules:
         raise RuleError(f"{where}: a family file needs 'name' and 'architectures'")
     return FamilyRules(name=data["name"], source=where, architectures=tuple(data["architectures"]),
                        dims=dict(data.get("dims", {})), loops=dict(data.get("loops", {})),
-                       drop=tuple(data.get("drop", ())), ties=tuple(ties), params=tuple(params), sets=sets)
+                       drop=tuple(data.get("drop", ())), drop_past=tuple(data.get("drop_past", ())), ties=tuple(ties), params=tuple(params), sets=sets)
 
 
 _shipped_cache: dict[tuple, list[FamilyRules]] = {}
