@@ -278,6 +278,8 @@ def _targets(rules: FamilyRules, config: dict, ranges: dict[str, range],
     tied = {t.target: t.to for t in rules.ties if config.get(t.when)}
     targets = []
     for rule in rules.params:
+        if rule.when is not None and not config.get(rule.when):
+            continue  # e.g. Cohere's q/k norms exist only with use_qk_norm
         exists = _in_sets(rule, rules, config, ranges)
         for values, name in _expand_all(rule.target, ranges):
             if name in tied or not exists(values):

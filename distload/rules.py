@@ -65,7 +65,7 @@ INNER_STYLES = ("column", "row", "merged", "replicate")
 TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
             "remove", "drop_past"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
-              "dtype"}
+              "dtype", "when"}
 DTYPE_POLICIES = ("float", "any-float")   # float: the checkpoint's weight dtype; any-float: any float width
 FORM_KEYS = {"parts", "split", "stacked"}      # what an `alternative` checkpoint form may change
 
@@ -85,6 +85,7 @@ class ParamRule:
     unless: str | None = None       # a [sets] name: the target exists except for those loop values
     shape: tuple[str, ...] = ()     # full logical shape, one dim expression per axis (style expert: one expert)
     dtype: str = "float"            # DTYPE_POLICIES: which stored dtypes the param accepts
+    when: str | None = None         # a config.json flag: the target exists only where it is true
 
     @property
     def forms(self) -> tuple["ParamRule", ...]:
@@ -219,6 +220,13 @@ def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, d
     return dict(parts=parts, split=split, stacked=stacked)
 
 
+def _parse_when(table: dict, target: str, where: str) -> str | None:
+    when = table.get("when")
+    if when is not None and (not isinstance(when, str) or not when):
+        raise RuleError(f"{where}: params.{target!r}: when must name a config.json flag, got {when!r}")
+    return when
+
+
 def _parse_shape(table: dict, target: str, where: str, dims: dict) -> tuple[str, ...]:
     """`shape = ["hidden", "heads * head_dim"]`: one expression of [dims] names per axis."""
     shape = table.get("shape", [])
@@ -279,7 +287,8 @@ def parse_rules(path) -> FamilyRules:
                                 f"split, stacked (the style is the param's); got {alt!r}")
             forms.append(ParamRule(**common, **_parse_form(alt, target, style, where, loops, dims)))
         params.append(ParamRule(**common, **_parse_form(table, target, style, where, loops, dims),
-                                alternatives=tuple(forms), only=table.get("only"), unless=table.get("unless")))
+                                alternatives=tuple(forms), only=table.get("only"), unless=table.get("unless"),
+                                when=_parse_when(table, target, where)))
     for table_name in ("dims", "loops"):
         bad = {k: v for k, v in data.get(table_name, {}).items() if not isinstance(v, str)}
         if bad:
