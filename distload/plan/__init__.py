@@ -11,6 +11,7 @@
     quant.py          FP8 schemes and the scale companions of quantized weights
     quant_layouts.py  the companions' cuts, derived from their weights'
     quant_steps.py    final specs and post-load steps (requantize, quantize, dequantize)
+    expected_shapes.py  every claimed tensor's full shape and dtype, from the rules' shape/dtype keys
     build.py          build_plan: the above in order
     wire.py           per bucket and rank: the wire ops each side posts (sender and receiver agree)
     reshard.py        plans that reload (and re-cut) a sharded save

@@ -10,7 +10,7 @@ from __future__ import annotations
 from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
-from . import quant, quant_layouts, quant_steps
+from . import expected_shapes, quant, quant_layouts, quant_steps
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_hosts
 from .layouts import Planned, layouts_for_target, relayout
@@ -31,7 +31,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     # A quantized checkpoint's scales travel with their weights: targets derived from config.json.
     scheme = quant.checkpoint_scheme(config)
     companions = quant.companions(targets, tensors, scheme)
-    match = match_checkpoint(targets, companions, tied, tensors, rules, strict)
+    match = match_checkpoint(targets, companions, tied, tensors, rules, config, strict)
     by_name = {t.name: t for t in match.targets}
     companions = [c for c in companions if c.weight in by_name]
 
@@ -39,6 +39,10 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     if any(t.rule.style == "expert" for t in match.targets):
         hosts = expert_hosts(rules.dim(config, "experts"), layout)
     planned = {t.name: layouts_for_target(t, tensors, rules, config, layout, hosts) for t in match.targets}
+    # Every claimed tensor against the full shape and dtype the rules imply (the cuts above check only the
+    # sizes they use), before any byte is read.
+    expected_shapes.check_shapes(match.targets, tensors, rules, config)
+    expected_shapes.check_dtypes(match.targets, companions, tensors, quantized=scheme is not None)
     for c in companions:  # cut from the weight's own layout, so weight and scale shards always match
         t = by_name[c.weight]
         group = layout.expert_group_size if t.rule.style == "expert" else layout.tp

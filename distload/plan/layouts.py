@@ -12,7 +12,7 @@ from ..rules import FamilyRules
 from ..topology import Layout
 from .experts import expert_hosts
 from .parts import check_vocab, logical_parts
-from .shard import LocalLayout, Piece, cut, view2d
+from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
 from .types import ParamSpec, Target
 
 
@@ -43,7 +43,7 @@ def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, 
     """Per rank (spec, layout) of `target`; hosts: expert_hosts(...) when the target is an expert param."""
     rule = target.rule
     sizes = {}
-    if (rule.inner or rule.style) == "qkv":
+    if (rule.inner or rule.style) in HEAD_STYLES:
         sizes = dict(heads=rules.dim(config, "heads"), kv_heads=rules.dim(config, "kv_heads"))
     if rule.style == "expert":
         return _expert_layouts(target, index, rules, config, layout, hosts, sizes)

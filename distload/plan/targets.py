@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .. import names
+from .. import loop_sets, names
 from ..errors import PlanError, RuleError
 from ..rules import FamilyRules, ParamRule
 from .types import Target
@@ -59,6 +59,8 @@ def expand_targets(rules: FamilyRules, config: dict, tensors) -> tuple[list[Targ
     tied = {t.target: t.to for t in rules.ties if config.get(t.when)}
     targets = []
     for rule in rules.params:
+        if rule.when is not None and not config.get(rule.when):
+            continue  # e.g. Cohere's q/k norms exist only with use_qk_norm
         exists = _in_sets(rule, rules, config, ranges)
         for values, name in expand_all(rule.target, ranges):
             if name in tied or not exists(values):
@@ -80,7 +82,7 @@ class Match:
 
 
 def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str], tensors, rules: FamilyRules,
-                     strict: bool) -> Match:
+                     config: dict, strict: bool) -> Match:
     """Match the checkpoint's tensors to `targets` (and `claimants`, e.g. scale companions, which claim
     sources too); strict: refuse any missing or unexpected tensor, naming them and the fix."""
     claimed: dict[str, str] = {}
@@ -96,6 +98,7 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
             if rule.target == alias:
                 tied_sources.update(p for form in rule.forms for p in form.parts)
     dropped = {n for n in tensors if any(names.match(t, n) is not None for t in rules.drop)}
+    dropped |= loop_sets.past_loops(rules.drop_past, tensors, loop_ranges(rules, config))
     ignored = sorted(dropped | (tied_sources & set(tensors)))
     missing_by_target = {t.name: [s for s in t.sources if s not in tensors] for t in targets}
     missing = sorted(s for ss in missing_by_target.values() for s in ss)
