@@ -42,9 +42,15 @@ def dequantize_gptq_reference(qweight, qzeros, scales, g_idx=None, group_size=12
     return _reference(qweight, qzeros, scales, g_idx, layout, out_f, in_f, _size(in_f, group_size), dtype)
 
 
+def _check_groups(fmt: str, in_features: int, groups: int) -> None:
+    if groups < 1 or in_features % groups:
+        raise ValueError(f"{fmt}: {groups} scale groups do not divide {in_features} input features")
+
+
 def _awq_args(qweight, qzeros, scales):
     in_features, out_features = qweight.shape[0], qweight.shape[1] * PACK
     groups = scales.shape[0]
+    _check_groups("AWQ", in_features, groups)
     check_shape("AWQ", "scales", scales.shape, (groups, out_features))
     check_shape("AWQ", "qzeros", qzeros.shape, (groups, out_features // PACK))
     return out_features, in_features, awq_layout(out_features, groups), in_features // groups
@@ -66,6 +72,7 @@ def dequantize_awq_reference(qweight, qzeros, scales, dtype=torch.bfloat16):
 def _compressed_args(weight_packed, weight_scale, weight_zero_point):
     out_features, in_features = weight_packed.shape[0], weight_packed.shape[1] * PACK
     groups = weight_scale.shape[1]
+    _check_groups("compressed-tensors", in_features, groups)
     check_shape("compressed-tensors", "weight_scale", weight_scale.shape, (out_features, groups))
     if weight_zero_point is not None:
         check_shape("compressed-tensors", "weight_zero_point", weight_zero_point.shape,
