@@ -29,7 +29,7 @@ from collections import deque
 
 import torch
 
-from . import host_memory, kernels
+from . import host_memory, kernels, postprocess_4bit
 from .dtypes import torch_dtype
 from .reconcile import coverage
 from .plan.shard import view2d
@@ -119,6 +119,7 @@ OPS = {
     "quantize_block": _quantize_block,
     "dequantize": _dequantize,
     "dequantize_block": _dequantize_block,
+    **postprocess_4bit.OPS,
 }
 
 

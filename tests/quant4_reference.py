@@ -31,7 +31,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.7229568362236023, 1.0], dtype=np.float32)
 
 
-def _int32(words: np.ndarray) -> np.ndarray:
+def as_int32(words: np.ndarray) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
@@ -71,7 +71,7 @@ def gptq_quantize(w: np.ndarray, group: int, act_order_seed: int | None = None) 
     qzeros = np.zeros((in_f // group, out_f // 8), dtype=np.int64)
     for o in range(out_f):
         qzeros[:, o // 8] |= ((zero[:, o] - 1) & 15) << (4 * (o % 8))
-    return {"qweight": _int32(qweight), "qzeros": _int32(qzeros), "scales": scale.astype(np.float16),
+    return {"qweight": as_int32(qweight), "qzeros": as_int32(qzeros), "scales": scale.astype(np.float16),
             "g_idx": g_idx.astype(np.int32)}
 
 
@@ -97,7 +97,7 @@ def awq_quantize(w: np.ndarray, group: int) -> dict:
         for k, col in enumerate(AWQ_ORDER):
             qweight[:, c] |= q[8 * c + col, :] << (4 * k)
             qzeros[:, c] |= zero[:, 8 * c + col] << (4 * k)
-    return {"qweight": _int32(qweight), "qzeros": _int32(qzeros), "scales": scale.astype(np.float16)}
+    return {"qweight": as_int32(qweight), "qzeros": as_int32(qzeros), "scales": scale.astype(np.float16)}
 
 
 def awq_dequantize(t: dict) -> np.ndarray:
@@ -127,13 +127,13 @@ def compressed_quantize(w: np.ndarray, group: int, symmetric: bool = True) -> di
     packed = np.zeros((out_f, in_f // 8), dtype=np.int64)
     for i in range(in_f):
         packed[:, i // 8] |= (q[:, i] + 8) << (4 * (i % 8))
-    out = {"weight_packed": _int32(packed), "weight_scale": scale.T.astype(np.float32),
+    out = {"weight_packed": as_int32(packed), "weight_scale": scale.T.astype(np.float32),
            "weight_shape": np.array([out_f, in_f], dtype=np.int64)}
     if not symmetric:
         zp = np.zeros((out_f // 8, in_f // group), dtype=np.int64)
         for o in range(out_f):
             zp[o // 8] |= (zero[:, o] + 8) << (4 * (o % 8))
-        out["weight_zero_point"] = _int32(zp)
+        out["weight_zero_point"] = as_int32(zp)
     return out
 
 

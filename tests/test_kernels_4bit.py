@@ -129,14 +129,14 @@ def test_unpack_nibble_order_of_every_layout():
     qweight = np.zeros((2, 8), dtype=np.int64)
     for i in range(16):
         qweight[i // 8] |= codes[:, i] << (4 * (i % 8))
-    out = dequantize_gptq(t(ref._int32(qweight)), torch.zeros(1, 1, dtype=torch.int32),
+    out = dequantize_gptq(t(ref.as_int32(qweight)), torch.zeros(1, 1, dtype=torch.int32),
                           torch.ones(1, 8, dtype=torch.float16), group_size=-1, dtype=torch.float32)
     assert torch.equal(out, t(codes - 1.0).float())
     # AWQ: word [i, o//8], nibble k holds column AWQ_ORDER[k]
     aw = np.zeros((16, 1), dtype=np.int64)
     for k, col in enumerate(ref.AWQ_ORDER):
         aw[:, 0] |= codes[col, :] << (4 * k)
-    out = dequantize_awq(t(ref._int32(aw)), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 8, dtype=torch.float16),
+    out = dequantize_awq(t(ref.as_int32(aw)), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 8, dtype=torch.float16),
                          dtype=torch.float32)
     assert torch.equal(out, t(codes.astype(np.float32)))
     # NVFP4: element 2j in the low nibble; codes 0..7 are 0, .5, 1, 1.5, 2, 3, 4, 6

@@ -10,7 +10,7 @@ from __future__ import annotations
 from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
-from . import expected_shapes, quant, quant_layouts, quant_steps
+from . import expected_shapes, quant, quant4, quant4_layouts, quant4_steps, quant_layouts, quant_steps
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_hosts
 from .layouts import Planned, layouts_for_target, relayout
@@ -31,27 +31,37 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     # A quantized checkpoint's scales travel with their weights: targets derived from config.json.
     scheme = quant.checkpoint_scheme(config)
     companions = quant.companions(targets, tensors, scheme)
-    match = match_checkpoint(targets, companions, tied, tensors, rules, config, strict)
+    # A packed 4-bit checkpoint is planned on its logical weights; the packed tensors follow them (quant4*.py).
+    packed4 = quant4.checkpoint_scheme(config)
+    logical = quant4.logical_index(targets, tensors, packed4, rules, config)
+    targets, index = logical.targets, logical.index
+    match = match_checkpoint(targets, companions + list(logical.packed), tied, index, rules, config, strict)
     by_name = {t.name: t for t in match.targets}
     companions = [c for c in companions if c.weight in by_name]
 
     hosts = None
     if any(t.rule.style == "expert" for t in match.targets):
         hosts = expert_hosts(rules.dim(config, "experts"), layout)
-    planned = {t.name: layouts_for_target(t, tensors, rules, config, layout, hosts) for t in match.targets}
+    planned = {t.name: layouts_for_target(t, index, rules, config, layout, hosts) for t in match.targets}
     # Every claimed tensor against the full shape and dtype the rules imply (the cuts above check only the
     # sizes they use), before any byte is read.
-    expected_shapes.check_shapes(match.targets, tensors, rules, config)
-    expected_shapes.check_dtypes(match.targets, companions, tensors, quantized=scheme is not None)
+    expected_shapes.check_shapes(match.targets, index, rules, config)
+    expected_shapes.check_dtypes(match.targets, companions, index, quantized=scheme is not None)
     for c in companions:  # cut from the weight's own layout, so weight and scale shards always match
         t = by_name[c.weight]
         group = layout.expert_group_size if t.rule.style == "expert" else layout.tp
         planned[c.name] = quant_layouts.companion_layouts(c, t, *planned[c.weight], tensors, scheme, group,
                                                           lambda q, t=t: relayout(t, tensors, rules, config, q))
+    unpacked = quant4_layouts.packed_layouts(planned, logical.packed, by_name, index, packed4, layout.tp,
+                                             lambda n, q: relayout(by_name[n], index, rules, config, q))
     specs, deliveries = _per_rank(planned, layout.world)
     _add_aliases(specs, tied)
-    final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
-                                                     quantize=quantize, dequantize=dequantize)
+    if packed4:
+        final, post, quantization = quant4_steps.finalize(specs, unpacked, logical.packed, by_name, packed4,
+                                                          quantize, dequantize)
+    else:
+        final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
+                                                         quantize=quantize, dequantize=dequantize)
 
     sources = _sources(deliveries, tensors, layout.world)
     runs = reader_spans(sources, layout)

@@ -60,6 +60,8 @@ def checkpoint_scheme(config: dict) -> Scheme | None:
         return None
     method = qc.get("quant_method")
     where = f"config.json quantization_config (quant_method {method})"
+    if is_packed4(qc):
+        return None  # packed 4-bit formats: plan/quant4.py
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
             raise PlanError(f"{where}: fmt {qc.get('fmt')!r} is not supported; distload loads e4m3 FP8 checkpoints")
@@ -72,6 +74,14 @@ def checkpoint_scheme(config: dict) -> Scheme | None:
         return _compressed_tensors(qc, where)
     raise PlanError(f"{where}: not supported; distload loads quant_method fp8 (per-tensor or weight_block_size) and "
                     f"compressed-tensors FP8 (strategy tensor or block); dequantize the checkpoint first")
+
+
+def is_packed4(qc: dict) -> bool:
+    """Whether quantization_config declares a packed 4-bit format (GPTQ, AWQ, compressed-tensors
+    pack-quantized, ModelOpt NVFP4), which plan/quant4.py plans."""
+    method = qc.get("quant_method")
+    return (method in ("gptq", "awq", "modelopt")
+            or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"))
 
 
 def _block(value, where: str) -> tuple[int, int]:

@@ -1,0 +1,250 @@
+"""Packed 4-bit checkpoints in the plan: which format, and which packed tensors stand for each linear weight.
+
+A 4-bit checkpoint has no `X.weight` of the float shape [out, in] for a quantized linear: it stores packed
+words and their groups' scales and zeros, each a rectangle over that logical weight (kernels/int4_format.py
+and fp4_format.py define the formats). Planning therefore works on the *logical* weight — the family's
+rules cut it as usual (column, row, merged, qkv with kv replication) — and every packed tensor follows it
+through one table row: which logical axis its rows and its columns run along, and how many logical values
+one row or column stands for (8 per int32 word, 2 per byte, g per group). The serving params are vLLM's
+before post-processing: `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx` (GPTQ) and so on.
+
+    format        config.json quantization_config            tensors per linear (rows axis/unit, cols axis/unit)
+    gptq          quant_method gptq, bits 4, desc_act        qweight (in/8, out), qzeros (in/g, out/8), scales
+                                                             (in/g, out), g_idx (in)
+    awq           quant_method awq, version gemm             qweight (in, out/8), qzeros (in/g, out/8), scales (in/g, out)
+    ct-int4       compressed-tensors, format pack-quantized  weight_packed (out, in/8), weight_scale (out, in/g),
+                                                             weight_zero_point (out/8, in/g), weight_shape (per part)
+    nvfp4         quant_method modelopt, quant_algo NVFP4    weight (out, in/2), weight_scale (out, in/16),
+                                                             weight_scale_2 / input_scale (per part)
+A per-part tensor (a scalar, a global shape) is not cut: every rank holds every part's, in part order.
+Which linears are quantized follows the checkpoint (lm_head and `ignore` / `exclude_modules` layers simply
+have a float weight), all parts of one param alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .. import names
+from ..errors import PlanError
+from .expected_shapes import expected_sources, weight_dtype
+from .quant import is_packed4, with_suffix
+from .shard import view2d
+
+OUT, IN, ONE = "out", "in", "one"
+INT_FLOAT_DTYPES = ("F16", "BF16", "F32")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How one packed tensor's 2-D view lies over its logical weight [out, in]."""
+    rows: tuple[str, int]            # (logical axis, logical values per row)
+    cols: tuple[str, int]
+    dtypes: tuple[str, ...]
+    optional: bool = False           # some checkpoints of the format do without it (all parts alike)
+    per_part: bool = False           # not cut: every rank holds every part's
+    whole_in: bool = False           # when the input is cut, every rank still holds all of it (GPTQ desc_act)
+
+
+@dataclass(frozen=True)
+class Packed4:
+    """A packed 4-bit checkpoint's format, as config.json's quantization_config declares it."""
+    name: str                        # gptq | awq | ct-int4 | nvfp4
+    where: str
+    group: int                       # input values per scale group (the whole input: 0)
+    desc_act: bool = False           # GPTQ act-order: g_idx is a permutation of the groups
+    symmetric: bool = True
+
+    def describe(self) -> str:
+        group = f" group {self.group}" if self.group else ""
+        return f"{self.name}{group}{' desc_act' if self.desc_act else ''} ({self.where})"
+
+    def cuts(self, in_features: int) -> dict[str, Cut]:
+        """suffix -> Cut, the tensor that marks a quantized linear first."""
+        g = self.group or in_features
+        i32, scale = ("I32",), INT_FLOAT_DTYPES
+        whole = self.desc_act or not self.group
+        if self.name == "gptq":
+            return {"qweight": Cut((IN, 8), (OUT, 1), i32), "qzeros": Cut((IN, g), (OUT, 8), i32, whole_in=whole),
+                    "scales": Cut((IN, g), (OUT, 1), scale, whole_in=whole),
+                    "g_idx": Cut((IN, 1), (ONE, 1), i32, optional=not self.desc_act)}
+        if self.name == "awq":
+            return {"qweight": Cut((IN, 1), (OUT, 8), i32), "qzeros": Cut((IN, g), (OUT, 8), i32),
+                    "scales": Cut((IN, g), (OUT, 1), scale)}
+        if self.name == "ct-int4":
+            return {"weight_packed": Cut((OUT, 1), (IN, 8), i32), "weight_scale": Cut((OUT, 1), (IN, g), scale),
+                    "weight_zero_point": Cut((OUT, 8), (IN, g), i32, optional=self.symmetric),
+                    "weight_shape": Cut((ONE, 1), (ONE, 1), ("I64", "I32"), optional=True, per_part=True)}
+        return {"weight_scale": Cut((OUT, 1), (IN, 16), ("F8_E4M3",)), "weight": Cut((OUT, 1), (IN, 2), ("U8",)),
+                "weight_scale_2": Cut((ONE, 1), (ONE, 1), ("F32",), per_part=True),
+                "input_scale": Cut((ONE, 1), (ONE, 1), ("F32",), optional=True, per_part=True)}
+
+
+def checkpoint_scheme(config: dict) -> Packed4 | None:
+    """The packed 4-bit format from config.json quantization_config; None for any other checkpoint."""
+    qc = config.get("quantization_config") or {}
+    if not is_packed4(qc):
+        return None
+    method = qc["quant_method"]
+    where = f"config.json quantization_config (quant_method {method})"
+    if method in ("gptq", "awq"):
+        if qc.get("bits", 4) != 4:
+            raise PlanError(f"{where}: bits {qc.get('bits')} is not supported; distload loads 4-bit {method} checkpoints")
+        group = _group(qc.get("group_size", 128), where)
+        if method == "awq":
+            if str(qc.get("version", "gemm")).lower() != "gemm" or not qc.get("zero_point", True):
+                raise PlanError(f"{where}: version {qc.get('version')!r}, zero_point {qc.get('zero_point')!r}; "
+                                f"distload loads AutoAWQ GEMM checkpoints with zero points")
+            return Packed4("awq", where, group, symmetric=False)
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt != "gptq":
+            raise PlanError(f"{where}: checkpoint_format {fmt!r}; distload loads the AutoGPTQ v1 layout "
+                            f"('gptq'); convert the checkpoint with gptqmodel first")
+        return Packed4("gptq", where, group, desc_act=bool(qc.get("desc_act")), symmetric=bool(qc.get("sym", True)))
+    if method == "modelopt":
+        body = qc.get("quantization", qc)
+        if body.get("quant_algo") != "NVFP4":
+            raise PlanError(f"{where}: quant_algo {body.get('quant_algo')!r}; distload loads ModelOpt NVFP4 checkpoints")
+        if body.get("group_size", 16) != 16:
+            raise PlanError(f"{where}: group_size {body.get('group_size')}; NVFP4 blocks hold 16 values")
+        return Packed4("nvfp4", where, 16)
+    return _compressed_int4(qc, where)
+
+
+def _group(value, where: str) -> int:
+    if value in (-1, 0, None):
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{where}: group_size {value!r} must be a positive integer or -1; fix config.json")
+    return value
+
+
+def _compressed_int4(qc: dict, where: str) -> Packed4:
+    schemes = set()
+    for group, body in (qc.get("config_groups") or {}).items():
+        w = (body or {}).get("weights") or {}
+        if w.get("type") != "int" or w.get("num_bits") != 4:
+            raise PlanError(f"{where}: config_groups.{group} quantizes weights to {w.get('num_bits')}-bit "
+                            f"{w.get('type')}; a pack-quantized checkpoint distload loads holds 4-bit int weights")
+        strategy = w.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise PlanError(f"{where}: config_groups.{group} weight strategy {strategy!r}; distload cuts 'group' "
+                            f"and 'channel' int4 scales")
+        g = _group(w.get("group_size"), where) if strategy == "group" else 0
+        schemes.add(Packed4("ct-int4", where, g, symmetric=bool(w.get("symmetric", True))))
+    if len(schemes) != 1:
+        raise PlanError(f"{where}: expected one int4 config group (or identical ones), got {len(schemes)} schemes")
+    return schemes.pop()
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """One packed serving param of a quantized linear target, and the checkpoint tensors it is cut from."""
+    name: str                        # serving name: the target's with 'weight' -> the suffix
+    weight: str                      # the logical weight target it stands for
+    suffix: str
+    cut: Cut
+    scale_of: tuple[tuple[str, str], ...]   # (logical weight source, its packed tensor), in source order
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(s for _, s in self.scale_of)
+
+
+@dataclass(frozen=True)
+class Logical:
+    """What planning sees of a packed checkpoint: the index with a float logical weight in place of each
+    quantized linear's packed tensors (0 bytes: never read), the targets over it, and the packed tensors,
+    cut after their weights."""
+    index: dict
+    targets: list
+    packed: tuple[PackedTensor, ...]
+
+
+LOGICAL = "{}[logical]"   # a logical weight's name where a packed tensor keeps the name X.weight (NVFP4)
+
+
+def logical_index(targets, tensors: dict, scheme: Packed4 | None, rules, config: dict) -> Logical:
+    """Logical weights for the targets whose parts are packed; the checkpoint unchanged for other checkpoints."""
+    if scheme is None:
+        return Logical(tensors, targets, ())
+    marker = next(iter(scheme.cuts(1)))
+    quantized = {t.name for t in targets if t.name.endswith("weight") and all(s.endswith(".weight") for s in t.sources)
+                 and any(with_suffix(s, marker) in tensors for s in t.sources)}
+    dtype = weight_dtype([t for t in targets if t.name not in quantized], tensors) or "BF16"
+    rename = "weight" in scheme.cuts(1)
+    index, out_targets, packed = dict(tensors), [], []
+    for t in targets:
+        if t.name not in quantized:
+            out_targets.append(t)
+            continue
+        present = [s for s in t.sources if with_suffix(s, marker) in tensors]
+        if t.rule.style in ("expert", "vocab") or len(present) != len(t.sources):
+            what = ("packed 4-bit experts and vocab params are not planned yet; dequantize them first"
+                    if len(present) == len(t.sources) else
+                    f"only {names.describe(present)} of its parts are packed; the checkpoint is incomplete")
+            raise PlanError(f"{t.name} (rule {t.rule.style}, {scheme.describe()}): {what}")
+        shapes = _logical_shapes(t, tensors, scheme, rules, config)
+        logical = replace(t, sources=tuple(LOGICAL.format(s) for s in t.sources)) if rename else t
+        for s, v in zip(t.sources, logical.sources):
+            index[v] = replace(tensors[with_suffix(s, marker)], name=v, dtype=dtype, shape=shapes[s], nbytes=0)
+        packed += _packed_of(t, logical, tensors, scheme, shapes)
+        out_targets.append(logical)
+    return Logical(index, out_targets, tuple(packed))
+
+
+def _logical_shapes(t, tensors: dict, scheme: Packed4, rules, config: dict) -> dict[str, tuple[int, int]]:
+    """Each part's logical [out, in]: from the rules' shapes, else from its marker tensor's."""
+    expected = {e.source: tuple(e.shape) for e in expected_sources(t, rules, config)}
+    out = {}
+    for s in t.sources:
+        if s in expected and len(expected[s]) == 2:
+            out[s] = expected[s]
+            continue
+        marker, cut = next(iter(scheme.cuts(1).items()))
+        rows, cols = tensors[with_suffix(s, marker)].shape
+        sizes = {cut.rows[0]: rows * cut.rows[1], cut.cols[0]: cols * cut.cols[1]}
+        out[s] = (sizes[OUT], sizes[IN])
+    return out
+
+
+def expected_view(cut: Cut, out_f: int, in_f: int) -> tuple[int, int]:
+    """The packed tensor's 2-D view over a logical [out_f, in_f]."""
+    sizes = {OUT: out_f, IN: in_f, ONE: 1}
+    return tuple(-(-sizes[axis] // unit) for axis, unit in (cut.rows, cut.cols))
+
+
+def _packed_of(t, logical, tensors: dict, scheme: Packed4, shapes: dict) -> list[PackedTensor]:
+    out = []
+    for suffix, cut in scheme.cuts(shapes[t.sources[0]][1]).items():
+        names_ = [with_suffix(s, suffix) for s in t.sources]
+        present = [n for n in names_ if n in tensors]
+        if not present and cut.optional:
+            continue
+        if len(present) != len(names_):
+            missing = sorted(set(names_) - set(present))
+            raise PlanError(f"{t.name} ({scheme.describe()}): the checkpoint lacks {names.describe(missing)}; "
+                            f"every quantized linear of this format has its {suffix}: the checkpoint is incomplete")
+        for s, n in zip(t.sources, names_):
+            _check_tensor(tensors[n], cut, shapes[s], scheme, t.name)
+        out.append(PackedTensor(with_suffix(t.name, suffix), t.name, suffix, cut, tuple(zip(logical.sources, names_))))
+    return out
+
+
+def _check_tensor(entry, cut: Cut, shape: tuple[int, int], scheme: Packed4, target: str) -> None:
+    if entry.dtype not in cut.dtypes:
+        raise PlanError(f"{entry.name}: stored as {entry.dtype}, but {scheme.name} stores it as "
+                        f"{' or '.join(cut.dtypes)} ({scheme.describe()}); the checkpoint does not match its config")
+    if cut.per_part:
+        return
+    out_f, in_f = shape
+    for axis, unit in (cut.rows, cut.cols):
+        size = {OUT: out_f, IN: in_f, ONE: 1}[axis]
+        if size % unit:
+            raise PlanError(f"{entry.name}: the {axis}put size {size} of {target} is not a multiple of {unit} "
+                            f"({scheme.describe()}); config.json and the checkpoint disagree")
+    want = expected_view(cut, out_f, in_f)
+    if view2d(tuple(entry.shape)) != want or len(entry.shape) != (1 if cut.cols[0] == ONE else 2):
+        raise PlanError(f"{entry.name}: shape {list(entry.shape)}, but a {scheme.name} weight [{out_f}, {in_f}] "
+                        f"needs {list(want[:1] if cut.cols[0] == ONE else want)} ({scheme.describe()}); "
+                        f"config.json and the checkpoint disagree")

@@ -1,0 +1,71 @@
+"""Final specs and post-load steps of a packed 4-bit load: the packed form as it is, or --dequantize.
+
+    packed (default)  the packed tensors are the final params (vLLM's layout before its post-processing)
+    --dequantize      per quantized linear one `dequantize4` step: its packed tensors -> the float weight
+                      [out, in] of the rank's cut, in BF16; the packed tensors are gone
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import PlanError
+from .quant import DEQUANTIZED_DTYPE
+from .quant4 import Packed4, PackedTensor
+
+
+@dataclass(frozen=True)
+class Dequant4Step:
+    """Dequantize one rank's packed tensors of one linear (postprocess_4bit.py runs it).
+
+    inputs: the packed params, `suffixes` says which is which; runs: (rows, part) down the local weight,
+    for per-part scales (NVFP4 weight_scale_2); use_g_idx: GPTQ desc_act (else groups are i // group_size).
+    """
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    format: str
+    suffixes: tuple[str, ...]
+    group: int
+    runs: tuple[tuple[int, int], ...] = ()
+    use_g_idx: bool = False
+
+
+def _runs(lay, sources: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """(rows, part) down the local logical weight, from the pieces at input column 0."""
+    part_of = {s: i for i, s in enumerate(sources)}
+    runs: list[list[int]] = []
+    for pc in sorted((p for p in lay.pieces if p.dst_col == 0), key=lambda p: p.dst_row):
+        part = part_of[pc.source]
+        if runs and runs[-1][1] == part:
+            runs[-1][0] += pc.rows[1] - pc.rows[0]
+        else:
+            runs.append([pc.rows[1] - pc.rows[0], part])
+    return tuple((r, p) for r, p in runs)
+
+
+def finalize(staging: list[dict], logical: dict, packed: tuple[PackedTensor, ...], targets: dict,
+             scheme: Packed4, quantize: str | None, dequantize: bool) -> tuple[list[dict], list[tuple], str]:
+    """(final specs per rank, steps per rank, what the load does about quantization)."""
+    if quantize:
+        raise PlanError(f"--quantize {quantize}: the checkpoint is already quantized ({scheme.describe()}); "
+                        f"drop --quantize")
+    if not dequantize:
+        return staging, [() for _ in staging], scheme.describe()
+    by_weight: dict[str, list[PackedTensor]] = {}
+    for p in packed:
+        if p.weight in logical:
+            by_weight.setdefault(p.weight, []).append(p)
+    final = [dict(specs) for specs in staging]
+    steps: list[list[Dequant4Step]] = [[] for _ in staging]
+    for weight, tensors in by_weight.items():
+        specs, lays = logical[weight]
+        sources = targets[weight].sources
+        for r, (spec, lay) in enumerate(zip(specs, lays)):
+            for p in tensors:
+                del final[r][p.name]
+            final[r][weight] = replace(spec, dtype=DEQUANTIZED_DTYPE)
+            steps[r].append(Dequant4Step("dequantize4", tuple(p.name for p in tensors), (weight,), scheme.name,
+                                         tuple(p.suffix for p in tensors), scheme.group, _runs(lay, sources),
+                                         scheme.desc_act))
+    return final, [tuple(s) for s in steps], scheme.describe() + " -> BF16 (--dequantize)"

@@ -1,0 +1,245 @@
+"""Packed 4-bit checkpoints (issue 23): plan-time cuts and refusals, then whole loads on real gloo ranks.
+
+The checkpoints are made here from a tiny Hugging Face Llama (tests/hf_models.py) by the reference quantizer
+(tests/quant4_reference.py) in each format's on-disk layout (tests/quant4_checkpoints.py). Expectations
+come from neither the planner nor the kernels: each packed tensor is spread over its logical weight's grid,
+cut by tests/layout_oracle.py like a float weight and sampled back; with --dequantize every rank's BF16
+shard equals the oracle's cut of the reference dequantization of the full tensor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import quant4_checkpoints as q4
+from distload.checkpoint import discover
+from distload.errors import PlanError
+from distload.plan import build_plan
+from distload.rules import rules_for
+from distload.topology import Layout
+from layout_oracle import serving_shards
+from spawn import run_ranks
+
+FORMATS = ["gptq", "gptq-act", "awq", "ct", "ct-asym", "nvfp4"]
+ROW_STYLE = ("self_attn.o_proj.", "mlp.down_proj.")
+SERVING_LINEARS = ("self_attn.qkv_proj.", "self_attn.o_proj.", "mlp.gate_up_proj.", "mlp.down_proj.")
+PARTS = {"self_attn.qkv_proj.": ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."),
+         "self_attn.o_proj.": ("self_attn.o_proj.",), "mlp.gate_up_proj.": ("mlp.gate_proj.", "mlp.up_proj."),
+         "mlp.down_proj.": ("mlp.down_proj.",)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from hf_models import save_checkpoint
+
+    root = tmp_path_factory.mktemp("quant4")
+    llama = save_checkpoint("llama", root / "llama", dtype=torch.bfloat16)
+    return {"llama": llama, **{fmt: q4.packed_checkpoint(llama, root / fmt, fmt) for fmt in FORMATS}}
+
+
+def _plan(path, tp=2, **options):
+    index = discover(str(path))
+    return build_plan(index.tensors, index.config, rules_for(index.config), Layout(world=tp, tp=tp), **options)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plan time
+
+
+def test_gptq_specs_follow_vllm_serving_layout(checkpoints):
+    plan = _plan(checkpoints["gptq"])
+    a = "model.layers.0."
+    got = {n: (s.dtype, s.local_shape) for n, s in plan.specs[1].items() if n.startswith(a) and "norm" not in n}
+    # hidden 64, q 64 rows, k/v 32 each (2 kv heads of 16), intermediate 128, group 16, tp 2
+    assert got == {
+        a + "self_attn.qkv_proj.qweight": ("I32", (8, 64)), a + "self_attn.qkv_proj.qzeros": ("I32", (4, 8)),
+        a + "self_attn.qkv_proj.scales": ("F16", (4, 64)), a + "self_attn.qkv_proj.g_idx": ("I32", (64,)),
+        a + "self_attn.o_proj.qweight": ("I32", (4, 64)), a + "self_attn.o_proj.qzeros": ("I32", (2, 8)),
+        a + "self_attn.o_proj.scales": ("F16", (2, 64)), a + "self_attn.o_proj.g_idx": ("I32", (32,)),
+        a + "mlp.gate_up_proj.qweight": ("I32", (8, 128)), a + "mlp.gate_up_proj.qzeros": ("I32", (4, 16)),
+        a + "mlp.gate_up_proj.scales": ("F16", (4, 128)), a + "mlp.gate_up_proj.g_idx": ("I32", (64,)),
+        a + "mlp.down_proj.qweight": ("I32", (8, 64)), a + "mlp.down_proj.qzeros": ("I32", (4, 8)),
+        a + "mlp.down_proj.scales": ("F16", (4, 64)), a + "mlp.down_proj.g_idx": ("I32", (64,)),
+    }
+    assert plan.specs[1][a + "self_attn.qkv_proj.g_idx"].style == "replicate"
+    assert plan.quantization.startswith("gptq group 16")
+    assert not plan.missing and not plan.unexpected
+
+
+def test_gptq_desc_act_row_parallel_keeps_scales_whole(checkpoints):
+    plan = _plan(checkpoints["gptq-act"])
+    o = "model.layers.0.self_attn.o_proj."
+    spec = plan.specs[1]
+    assert spec[o + "scales"].local_shape == (4, 64) and spec[o + "scales"].style == "replicate"
+    assert spec[o + "qzeros"].local_shape == (4, 8) and spec[o + "g_idx"].local_shape == (32,)
+
+
+@pytest.mark.parametrize("fmt, tp", [(f, tp) for f in FORMATS for tp in (1, 2, 4)])
+def test_every_format_plans_at_tp_1_2_4(checkpoints, fmt, tp):
+    plan = _plan(checkpoints[fmt], tp=tp)
+    assert not plan.missing and not plan.unexpected
+    deq = _plan(checkpoints[fmt], tp=tp, dequantize=True)
+    w = deq.specs[0]["model.layers.1.mlp.gate_up_proj.weight"]
+    assert (w.dtype, w.local_shape) == ("BF16", (256 // tp, 64))
+    assert all(len(steps) == 2 * 4 for steps in deq.post)
+
+
+@pytest.mark.parametrize("fmt, tp, words", [
+    ("gptq", 8, "num_attention_heads=4"),                         # the heads refuse first
+    ("awq", 4, None), ("nvfp4", 4, None),
+])
+def test_tp_that_splits_nothing_is_accepted_or_refused_by_heads(checkpoints, fmt, tp, words):
+    if words is None:
+        _plan(checkpoints[fmt], tp=tp)
+        return
+    with pytest.raises(PlanError, match=words):
+        _plan(checkpoints[fmt], tp=tp)
+
+
+def _regroup(path: Path, out: Path, group: int) -> Path:
+    """The same checkpoint metadata claiming a bigger group: scales and zeros resized (their bytes unread)."""
+    import json
+    import shutil
+
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["group_size"] = group
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_tp_that_splits_a_group_is_refused_with_the_numbers(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _regroup(checkpoints["awq"], tmp_path / "awq64", 64)
+    for f in path.glob("*.safetensors"):   # group 64: one group per 64 inputs
+        t = load_file(f)
+        for n in list(t):
+            if n.endswith((".scales", ".qzeros")):
+                t[n] = t[n][: t[n].shape[0] * 16 // 64].contiguous()
+        save_file(t, str(f), metadata={"format": "pt"})
+    _plan(path, tp=1)
+    with pytest.raises(PlanError) as info:
+        _plan(path, tp=2)
+    msg = str(info.value)
+    assert "o_proj" in msg and "tp=2" in msg and "64-value group of its" in msg and "(try tp 1)" in msg, msg
+
+
+def test_an_odd_pack_is_refused(checkpoints, tmp_path):
+    """hidden 64 with 16 heads: at tp 8 a rank's one kv head of 4 rows splits AWQ's 8-column words of k_proj."""
+    import json
+    import shutil
+
+    path = tmp_path / "awq-heads"
+    shutil.copytree(checkpoints["awq"], path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_attention_heads=16, num_key_value_heads=8, head_dim=4)
+    (path / "config.json").write_text(json.dumps(config))
+    _plan(path, tp=1)
+    with pytest.raises(PlanError, match=r"qkv_proj.weight \(rule qkv, awq group 16 .*tp=8 cuts .*k_proj.weight "
+                                        r"at output 4, inside a 8-value pack of its q(weight|zeros).*\(try tp 1, 2, 4\)"):
+        _plan(path, tp=8)
+
+
+def test_scheme_errors_name_the_config_key():
+    from distload.plan.quant4 import checkpoint_scheme
+
+    assert checkpoint_scheme({}) is None
+    assert checkpoint_scheme({"quantization_config": {"quant_method": "fp8"}}) is None
+    with pytest.raises(PlanError, match="bits 8"):
+        checkpoint_scheme({"quantization_config": {"quant_method": "gptq", "bits": 8}})
+    with pytest.raises(PlanError, match="gptq_v2"):
+        checkpoint_scheme({"quantization_config": {"quant_method": "gptq", "checkpoint_format": "gptq_v2"}})
+    with pytest.raises(PlanError, match="version 'gemv'"):
+        checkpoint_scheme({"quantization_config": {"quant_method": "awq", "version": "gemv"}})
+    with pytest.raises(PlanError, match="FP8"):
+        checkpoint_scheme({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}})
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "group"}}}}
+    with pytest.raises(PlanError, match="8-bit int"):
+        checkpoint_scheme({"quantization_config": ct})
+
+
+def test_dequantize_and_quantize_options(checkpoints):
+    with pytest.raises(PlanError, match="already quantized"):
+        _plan(checkpoints["gptq"], quantize="fp8")
+    plan = _plan(checkpoints["gptq"], dequantize=True)
+    assert "-> BF16" in plan.quantization
+    assert not any(n.endswith((".qweight", ".qzeros", ".scales", ".g_idx")) for n in plan.specs[0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Whole loads: tp 2 on gloo ranks
+
+
+def _expected_packed(ckpt: dict, config: dict, fmt: str, rank: int, tp: int) -> dict:
+    """Rank `rank`'s packed serving tensors, cut by the oracle on each tensor's logical grid."""
+    out = {}
+    for suffix, orient in q4.ORIENT[fmt].items():
+        hf = dict(ckpt)
+        present = {n[: -len(suffix)] for n in ckpt if n.endswith("." + suffix) and q4.LINEAR.match(n[: -len(suffix)] + "weight")}
+        if not present:
+            continue
+        shapes = {b: q4.logical_shape(ckpt, b, fmt) for b in present}
+        for b in present:
+            if orient is not None:
+                hf[b + "weight"] = q4.logical_grid(ckpt[b + suffix], orient, *shapes[b])
+        shards = serving_shards(hf, config, rank, tp) if orient is not None else {}
+        for i in range(config["num_hidden_layers"]):
+            a = f"model.layers.{i}."
+            for serving, parts in PARTS.items():
+                name = a + serving + suffix
+                if orient is None:   # per part, in part order
+                    out[name] = torch.cat([ckpt[a + p + suffix].reshape(-1) for p in parts])
+                    if len(parts) == 1:
+                        out[name] = ckpt[a + parts[0] + suffix]
+                elif fmt == "gptq-act" and suffix in ("scales", "qzeros") and serving in ROW_STYLE:
+                    out[name] = ckpt[a + parts[0] + suffix]        # desc_act: every group on every rank
+                else:
+                    out[name] = q4.sample_back(shards[a + serving + "weight"], orient)
+    return out
+
+
+def _load_formats(paths: dict) -> dict:
+    import torch.distributed as dist
+
+    import distload
+    from hf_models import checkpoint_tensors, read_config
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    problems, reports = [], {}
+    for fmt in FORMATS:
+        ckpt, config = checkpoint_tensors(paths[fmt]), read_config(paths[fmt])
+        packed = distload.load(paths[fmt], tp=tp, progress=False)
+        reports[fmt] = packed.report
+        want = _expected_packed(ckpt, config, fmt, rank, tp)
+        held = {n for n in packed.params if any(s in n for s in SERVING_LINEARS) and not n.endswith(".bias")}
+        if held != set(want) or len(want) < 4 * config["num_hidden_layers"] * 2:
+            problems.append(f"{fmt} rank {rank}: packed params {sorted(held ^ set(want))[:6]} differ from the oracle's")
+        for name, t in want.items():
+            got = packed.params.get(name)
+            if got is None or got.dtype != t.dtype or not torch.equal(got.reshape(t.shape), t):
+                problems.append(f"{fmt} rank {rank}: {name} differs from the oracle's cut"
+                                + ("" if got is None else f" ({got.dtype} {list(got.shape)} vs {t.dtype} {list(t.shape)})"))
+        deq = distload.load(paths[fmt], tp=tp, progress=False, dequantize=True)
+        oracle = serving_shards(q4.dequantized(ckpt, fmt), config, rank, tp)
+        for n, w in oracle.items():
+            got = deq.params.get(n)
+            want_w = w.to(torch.bfloat16) if any(s in n for s in SERVING_LINEARS) else w
+            if got is None or got.dtype != want_w.dtype or not torch.equal(got, want_w):
+                problems.append(f"{fmt} --dequantize rank {rank}: {n} differs from the reference dequantization")
+        extra = sorted(set(deq.params) - set(oracle))
+        if extra:
+            problems.append(f"{fmt} --dequantize rank {rank}: unexpected params {extra[:4]}")
+    return {"problems": problems, "reports": reports}
+
+
+def test_packed_4bit_loads_at_tp2(checkpoints):
+    results = run_ranks(2, _load_formats, {k: str(v) for k, v in checkpoints.items()})
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems[:40])
+    for fmt in FORMATS:
+        assert results[0]["reports"][fmt]["ok"], fmt
