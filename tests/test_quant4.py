@@ -203,6 +203,46 @@ def _expected_packed(ckpt: dict, config: dict, fmt: str, rank: int, tp: int) -> 
     return out
 
 
+def _assemble(plan, ckpt: dict, rank: int) -> dict:
+    """Rank `rank`'s staging params built in this process from the plan's deliveries (no transfer)."""
+    from distload.dtypes import torch_dtype
+    from distload.plan.shard import view2d
+
+    out = {n: torch.zeros(s.local_shape, dtype=torch_dtype(s.dtype)) for n, s in plan.staging_specs(rank).items()}
+    for src in plan.sources.values():
+        full = ckpt[src.name].reshape(view2d(tuple(ckpt[src.name].shape)))
+        for d in src.deliveries:
+            if d.rank != rank:
+                continue
+            pc = d.piece
+            dst = out[d.param].view(view2d(tuple(out[d.param].shape)))
+            rows, cols = pc.rows[1] - pc.rows[0], pc.cols[1] - pc.cols[0]
+            dst[pc.dst_row:pc.dst_row + rows, pc.dst_col:pc.dst_col + cols] = full[pc.rows[0]:pc.rows[1], pc.cols[0]:pc.cols[1]]
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_rank_cut_exact_at_tp_1_2_4(checkpoints, fmt):
+    """The plan's pieces applied in-process: packed shards and their dequantization against the oracle."""
+    from distload import postprocess_4bit
+    from hf_models import checkpoint_tensors, read_config
+
+    ckpt, config = checkpoint_tensors(checkpoints[fmt]), read_config(checkpoints[fmt])
+    reference = q4.dequantized(ckpt, fmt)
+    for tp in (1, 2, 4):
+        plan, deq = _plan(checkpoints[fmt], tp=tp), _plan(checkpoints[fmt], tp=tp, dequantize=True)
+        for rank in range(tp):
+            got = _assemble(plan, ckpt, rank)
+            for name, want in _expected_packed(ckpt, config, fmt, rank, tp).items():
+                assert torch.equal(got[name].reshape(want.shape), want), (fmt, tp, rank, name)
+            staged = _assemble(deq, ckpt, rank)
+            oracle = serving_shards(reference, config, rank, tp)
+            for step in deq.post[rank]:
+                finals = [deq.specs[rank][n] for n in step.outputs]
+                (w,) = postprocess_4bit.dequantize4(step, finals, *(staged[n] for n in step.inputs))
+                assert torch.equal(w, oracle[step.outputs[0]].to(torch.bfloat16)), (fmt, tp, rank, step.outputs)
+
+
 def _load_formats(paths: dict) -> dict:
     import torch.distributed as dist
 
