@@ -3,6 +3,9 @@ one linear -> its float weight, with distload.kernels (Triton on CUDA, the torch
 
 from __future__ import annotations
 
+import json
+import math
+
 import torch
 
 from . import kernels
@@ -20,6 +23,51 @@ def _nvfp4(step, t: dict, dtype) -> torch.Tensor:
     return out
 
 
+def _bnb_states(step, t: dict) -> list[dict]:
+    """Each part's quant_state (bitsandbytes' JSON, stored as bytes; the parts' one after another)."""
+    blob = next(v for k, v in t.items() if k.startswith("weight.quant_state.")).reshape(-1).tolist()
+    out, at = [], 0
+    for n in step.state_sizes:
+        out.append(json.loads(bytes(blob[at:at + n]).decode()))
+        at += n
+    return out
+
+
+def _bnb_undo_nested(step, t: dict, codes: torch.Tensor) -> torch.Tensor:
+    """fp32 absmax of this rank's blocks: nested_quant_map[code] * nested_absmax[b // 256] + offset, with b
+    the block's index in its part's whole weight (bitsandbytes' double quantization, per part)."""
+    states = _bnb_states(step, t)
+    maps = t["weight.nested_quant_map"].reshape(len(states), -1).float()
+    nested = t["weight.nested_absmax"].reshape(-1).float()
+    starts = [0]
+    for st in states:
+        starts.append(starts[-1] + -(-math.prod(st["shape"]) // st["blocksize"] // st["nested_blocksize"]))
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    for dst_row, dst_col, rows, cols, src_row, src_col, src_cols, part in step.blocks:
+        c = codes[dst_row:dst_row + rows, dst_col:dst_col + cols].long()
+        b = ((src_row + torch.arange(rows, device=codes.device))[:, None] * src_cols
+             + (src_col + torch.arange(cols, device=codes.device))[None, :])
+        per_block = nested[starts[part]:starts[part + 1]][b // states[part]["nested_blocksize"]]
+        offset = torch.tensor(states[part]["nested_offset"], dtype=torch.float32, device=codes.device)
+        out[dst_row:dst_row + rows, dst_col:dst_col + cols] = maps[part][c] * per_block + offset
+    return out
+
+
+def _bnb(step, t: dict, dtype) -> torch.Tensor:
+    weight, absmax = t["weight"], t["weight.absmax"]
+    if absmax.dtype == torch.uint8:
+        absmax = _bnb_undo_nested(step, t, absmax)
+    maps = t["weight.quant_map"].reshape(-1, 16)
+    cols = weight.shape[1] * 2
+    out = torch.empty(weight.shape[0], cols, dtype=dtype, device=weight.device)
+    row = 0
+    for rows, part in step.runs:  # blocks never cross a row (in % 64 == 0); each part with its own code book
+        out[row:row + rows] = kernels.dequantize_bnb_4bit(weight[row:row + rows], absmax[row:row + rows],
+                                                          maps[part], (rows, cols), dtype=dtype)
+        row += rows
+    return out
+
+
 def dequantize4(step, finals, *inputs) -> tuple[torch.Tensor]:
     t = dict(zip(step.suffixes, inputs))
     dtype = torch_dtype(finals[0].dtype)
@@ -32,6 +80,8 @@ def dequantize4(step, finals, *inputs) -> tuple[torch.Tensor]:
     elif step.format == "ct-int4":
         w = kernels.dequantize_compressed_int4(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
                                                dtype=dtype)
+    elif step.format == "bnb":
+        w = _bnb(step, t, dtype)
     else:
         w = _nvfp4(step, t, dtype)
     return (w,)

@@ -28,6 +28,11 @@ ORIENT = {
     "nvfp4": {"weight": (("out", 1), ("in", 2)), "weight_scale": (("out", 1), ("in", 16)),
               "weight_scale_2": None, "input_scale": None},
 }
+ORIENT["bnb"] = {"weight": (("out", 1), ("in", 2)), "weight.absmax": (("out", 1), ("in", 64)),
+                 "weight.quant_map": None, "weight.nested_absmax": None, "weight.nested_quant_map": None,
+                 "weight.quant_state.bitsandbytes__nf4": None}
+ORIENT["bnb-nested"] = ORIENT["bnb"]
+FLAT = ("weight", "weight.absmax")      # bitsandbytes stores these flat
 ORIENT["gptq-act"] = ORIENT["gptq"]
 ORIENT["ct-asym"] = ORIENT["ct"]
 
@@ -41,6 +46,15 @@ def _quantize(fmt: str, w: np.ndarray, name: str) -> dict[str, torch.Tensor]:
     if fmt.startswith("ct"):
         q = ref.compressed_quantize(w, GROUP, symmetric=fmt == "ct")
         return {**q, "weight_scale": torch.from_numpy(q["weight_scale"]).to(torch.bfloat16)}
+    if fmt.startswith("bnb"):
+        q = ref.bnb_quantize(w, nested=fmt == "bnb-nested")
+        state = {"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": list(w.shape)}
+        out = {"weight": q["weight"], "weight.absmax": q["absmax"], "weight.quant_map": q["quant_map"]}
+        if "offset" in q:
+            state.update(nested_blocksize=256, nested_dtype="float32", nested_offset=float(q["offset"]))
+            out.update({"weight.nested_absmax": q["nested_absmax"], "weight.nested_quant_map": q["nested_quant_map"]})
+        out["weight.quant_state.bitsandbytes__nf4"] = np.frombuffer(json.dumps(state).encode(), dtype=np.uint8).copy()
+        return out
     q = ref.nvfp4_quantize(w)
     seed = sum(map(ord, name)) % 97
     return {"weight": q["weight"], "weight_scale": torch.from_numpy(q["weight_scale"]).to(torch.float8_e4m3fn),
@@ -60,6 +74,11 @@ def quantization_config(fmt: str) -> dict:
         return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                 "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}}
+    if fmt.startswith("bnb"):
+        return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+                "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": fmt == "bnb-nested",
+                "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+                "llm_int8_skip_modules": None}
     return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
 
 
@@ -92,32 +111,50 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.float().numpy() if t.dtype in (torch.bfloat16, torch.float8_e4m3fn) else t.numpy()
 
 
+def packed_base(name: str, fmt: str) -> tuple[str, str] | None:
+    """(base 'model.layers.0.mlp.up_proj.', suffix) of a packed tensor of a quantized linear, else None."""
+    for suffix in sorted(ORIENT[fmt], key=len, reverse=True):
+        if name.endswith("." + suffix) and LINEAR.match(name[: -len(suffix)] + "weight"):
+            return name[: -len(suffix)], suffix
+    return None
+
+
 def dequantized(packed: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors with each quantized linear's packed ones replaced by its reference
     dequantization X.weight (fp32, exact)."""
-    out = {n: t for n, t in packed.items() if not any(n.endswith("." + s) for s in ORIENT[fmt])
-           or not LINEAR.match(n.rsplit(".", 1)[0] + ".weight")}
-    bases = {n.rsplit(".", 1)[0] for n in packed if n.endswith("." + next(iter(ORIENT[fmt])))
-             and LINEAR.match(n.rsplit(".", 1)[0] + ".weight")}
+    out = {n: t for n, t in packed.items() if packed_base(n, fmt) is None}
+    bases = {packed_base(n, fmt)[0] for n in packed if packed_base(n, fmt) is not None}
     for base in bases:
-        t = {s: _np(packed[f"{base}.{s}"]) for s in ORIENT[fmt] if f"{base}.{s}" in packed}
+        t = {s: _np(packed[base + s]) for s in ORIENT[fmt] if base + s in packed}
         if fmt.startswith("gptq"):
             w = ref.gptq_dequantize(t)
         elif fmt == "awq":
             w = ref.awq_dequantize(t)
         elif fmt.startswith("ct"):
             w = ref.compressed_dequantize(t)
+        elif fmt.startswith("bnb"):
+            w = ref.bnb_dequantize(_bnb_tensors(t))
         else:
             w = ref.nvfp4_dequantize(t)
-        out[base + ".weight"] = torch.from_numpy(w.astype(np.float32))
+        out[base + "weight"] = torch.from_numpy(w.astype(np.float32))
     return out
 
 
-def logical_grid(t: torch.Tensor, orient, out_f: int, in_f: int) -> torch.Tensor:
+def _bnb_tensors(t: dict) -> dict:
+    state = json.loads(bytes(t["weight.quant_state.bitsandbytes__nf4"].tolist()).decode())
+    out = {"weight": t["weight"], "absmax": t["weight.absmax"], "quant_map": t["weight.quant_map"],
+           "shape": tuple(state["shape"])}
+    if "nested_offset" in state:
+        out.update(nested_absmax=t["weight.nested_absmax"], nested_quant_map=t["weight.nested_quant_map"],
+                   offset=np.float32(state["nested_offset"]))
+    return out
+
+
+def logical_grid(t: torch.Tensor, orient, out_f: int, in_f: int, flat: bool = False) -> torch.Tensor:
     """A packed tensor spread over its logical weight [out, in]: element [o, i] is the packed element
     that covers logical (o, i), so slicing it like the weight and sampling back gives the packed slice."""
     (ra, ru), (ca, cu) = orient
-    t2 = t.reshape(t.shape[0], -1)
+    t2 = t.reshape(out_f, -1) if flat else t.reshape(t.shape[0], -1)   # flat: bitsandbytes' row-major bytes
     grid = t2.repeat_interleave(ru, 0).repeat_interleave(cu, 1) if ca != "one" else t2.repeat_interleave(ru, 0)
     if ra == "in":
         grid = grid.t()
@@ -138,6 +175,9 @@ def sample_back(grid: torch.Tensor, orient) -> torch.Tensor:
 
 def logical_shape(ckpt: dict, base: str, fmt: str) -> tuple[int, int]:
     """A quantized linear's [out, in] from its first packed tensor (base: 'model.layers.0.mlp.up_proj.')."""
+    if fmt.startswith("bnb"):
+        state = json.loads(bytes(ckpt[base + "weight.quant_state.bitsandbytes__nf4"].tolist()).decode())
+        return tuple(state["shape"])
     suffix, ((ra, ru), (ca, cu)) = next(iter(ORIENT[fmt].items()))
     rows, cols = ckpt[base + suffix].shape
     sizes = {ra: rows * ru, ca: cols * cu}

@@ -253,12 +253,10 @@ def bnb_absmax(t: dict) -> np.ndarray:
 
 
 def bnb_dequantize(t: dict) -> np.ndarray:
-    """fp32 values (NF4 value x absmax rounded once in fp32), in the weight's shape."""
-    absmax, packed, table = bnb_absmax(t), t["weight"].reshape(-1), t["quant_map"].astype(np.float32)
+    """fp32 values (code book value x absmax rounded once in fp32), in the weight's shape."""
+    absmax, packed, table = bnb_absmax(t), t["weight"].reshape(-1).astype(np.int64), t["quant_map"].astype(np.float32)
     n = int(np.prod(t["shape"]))
-    out = np.empty(n, dtype=np.float32)
-    for k in range(n):
-        byte = int(packed[k // 2])
-        code = byte >> 4 if k % 2 == 0 else byte & 15
-        out[k] = table[code] * absmax[k // 64]
-    return out.reshape(t["shape"])
+    codes = np.empty(packed.size * 2, dtype=np.int64)
+    codes[0::2], codes[1::2] = packed >> 4, packed & 15      # the first value in the high nibble
+    values = table[codes[:n]] * np.repeat(absmax, 64)[:n]
+    return values.astype(np.float32).reshape(t["shape"])

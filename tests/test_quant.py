@@ -165,8 +165,9 @@ def test_scheme_from_config():
     s = checkpoint_scheme({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
     assert (s.name, s.weight_scale, s.block) == ("fp8-block", "weight_scale_inv", (128, 128))
     assert checkpoint_scheme({}) is None
-    with pytest.raises(PlanError, match="quant_method gptq"):
-        checkpoint_scheme({"quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(PlanError, match="quant_method hqq"):
+        checkpoint_scheme({"quantization_config": {"quant_method": "hqq"}})
+    assert checkpoint_scheme({"quantization_config": {"quant_method": "gptq"}}) is None  # plan/quant4.py's
     ct["config_groups"]["g"]["weights"]["strategy"] = "channel"
     with pytest.raises(PlanError, match="strategy 'channel'"):
         checkpoint_scheme({"quantization_config": ct})

@@ -23,7 +23,7 @@ from distload.topology import Layout
 from layout_oracle import serving_shards
 from spawn import run_ranks
 
-FORMATS = ["gptq", "gptq-act", "awq", "ct", "ct-asym", "nvfp4"]
+FORMATS = ["gptq", "gptq-act", "awq", "ct", "ct-asym", "nvfp4", "bnb", "bnb-nested"]
 ROW_STYLE = ("self_attn.o_proj.", "mlp.down_proj.")
 SERVING_LINEARS = ("self_attn.qkv_proj.", "self_attn.o_proj.", "mlp.gate_up_proj.", "mlp.down_proj.")
 PARTS = {"self_attn.qkv_proj.": ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."),
@@ -37,7 +37,11 @@ def checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("quant4")
     llama = save_checkpoint("llama", root / "llama", dtype=torch.bfloat16)
-    return {"llama": llama, **{fmt: q4.packed_checkpoint(llama, root / fmt, fmt) for fmt in FORMATS}}
+    # bitsandbytes blocks hold 64 inputs: a wider model, so that tp 4 cuts whole blocks
+    wide = save_checkpoint("llama", root / "llama-wide", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
+                           max_shard_size="1MB")
+    return {"llama": llama, **{fmt: q4.packed_checkpoint(wide if fmt.startswith("bnb") else llama, root / fmt, fmt)
+                               for fmt in FORMATS}}
 
 
 def _plan(path, tp=2, **options):
@@ -82,8 +86,8 @@ def test_every_format_plans_at_tp_1_2_4(checkpoints, fmt, tp):
     plan = _plan(checkpoints[fmt], tp=tp)
     assert not plan.missing and not plan.unexpected
     deq = _plan(checkpoints[fmt], tp=tp, dequantize=True)
-    w = deq.specs[0]["model.layers.1.mlp.gate_up_proj.weight"]
-    assert (w.dtype, w.local_shape) == ("BF16", (256 // tp, 64))
+    w, config = deq.specs[0]["model.layers.1.mlp.gate_up_proj.weight"], discover(str(checkpoints[fmt])).config
+    assert (w.dtype, w.local_shape) == ("BF16", (2 * config["intermediate_size"] // tp, config["hidden_size"]))
     assert all(len(steps) == 2 * 4 for steps in deq.post)
 
 
@@ -180,13 +184,14 @@ def _expected_packed(ckpt: dict, config: dict, fmt: str, rank: int, tp: int) -> 
     out = {}
     for suffix, orient in q4.ORIENT[fmt].items():
         hf = dict(ckpt)
-        present = {n[: -len(suffix)] for n in ckpt if n.endswith("." + suffix) and q4.LINEAR.match(n[: -len(suffix)] + "weight")}
+        present = {q4.packed_base(n, fmt)[0] for n in ckpt if (q4.packed_base(n, fmt) or (0, 0))[1] == suffix}
         if not present:
             continue
         shapes = {b: q4.logical_shape(ckpt, b, fmt) for b in present}
         for b in present:
             if orient is not None:
-                hf[b + "weight"] = q4.logical_grid(ckpt[b + suffix], orient, *shapes[b])
+                flat = fmt.startswith("bnb") and suffix in q4.FLAT
+                hf[b + "weight"] = q4.logical_grid(ckpt[b + suffix], orient, *shapes[b], flat=flat)
         shards = serving_shards(hf, config, rank, tp) if orient is not None else {}
         for i in range(config["num_hidden_layers"]):
             a = f"model.layers.{i}."
@@ -210,7 +215,7 @@ def _assemble(plan, ckpt: dict, rank: int) -> dict:
 
     out = {n: torch.zeros(s.local_shape, dtype=torch_dtype(s.dtype)) for n, s in plan.staging_specs(rank).items()}
     for src in plan.sources.values():
-        full = ckpt[src.name].reshape(view2d(tuple(ckpt[src.name].shape)))
+        full = ckpt[src.name].reshape(view2d(src.shape))   # flat bitsandbytes tensors: the plan's view
         for d in src.deliveries:
             if d.rank != rank:
                 continue

@@ -57,13 +57,13 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     specs, deliveries = _per_rank(planned, layout.world)
     _add_aliases(specs, tied)
     if packed4:
-        final, post, quantization = quant4_steps.finalize(specs, unpacked, logical.packed, by_name, packed4,
+        final, post, quantization = quant4_steps.finalize(specs, unpacked, logical.packed, by_name, index, packed4,
                                                           quantize, dequantize)
     else:
         final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
                                                          quantize=quantize, dequantize=dequantize)
 
-    sources = _sources(deliveries, tensors, layout.world)
+    sources = _sources(deliveries, index, layout.world)  # index: flat 4-bit tensors as their 2-D views
     runs = reader_spans(sources, layout)
     buckets = interleaved({r: buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers},
                           layout.readers)

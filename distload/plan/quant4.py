@@ -16,6 +16,13 @@ before post-processing: `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx` (GPTQ) an
                                                              weight_zero_point (out/8, in/g), weight_shape (per part)
     nvfp4         quant_method modelopt, quant_algo NVFP4    weight (out, in/2), weight_scale (out, in/16),
                                                              weight_scale_2 / input_scale (per part)
+    bnb           quant_method bitsandbytes, load_in_4bit    weight (out, in/2) and weight.absmax (out, in/64),
+                                                             both stored flat; quant_map, nested_absmax,
+                                                             nested_quant_map, quant_state (per part)
+bitsandbytes packs the flat row-major weight in 64-value blocks, so with in % 64 == 0 the flat bytes are
+the [out, in/2] matrix and the absmax the [out, in/64] one, and row and column cuts keep whole blocks (what
+no engine does: vLLM and SGLang refuse pre-quantized bitsandbytes at tp > 1). A nested absmax (uint8 codes)
+is cut like the fp32 one; the post-load step undoes it with each block's global index.
 A per-part tensor (a scalar, a global shape) is not cut: every rank holds every part's, in part order.
 Which linears are quantized follows the checkpoint (lm_head and `ignore` / `exclude_modules` layers simply
 have a float weight), all parts of one param alike.
@@ -23,6 +30,7 @@ have a float weight), all parts of one param alike.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from .. import names
@@ -32,6 +40,7 @@ from .quant import is_packed4, with_suffix
 from .shard import view2d
 
 OUT, IN, ONE = "out", "in", "one"
+BNB_BLOCK = 64
 INT_FLOAT_DTYPES = ("F16", "BF16", "F32")
 
 
@@ -44,6 +53,7 @@ class Cut:
     optional: bool = False           # some checkpoints of the format do without it (all parts alike)
     per_part: bool = False           # not cut: every rank holds every part's
     whole_in: bool = False           # when the input is cut, every rank still holds all of it (GPTQ desc_act)
+    flat: bool = False               # stored flat (bitsandbytes): planned as its [rows, cols] view
 
 
 @dataclass(frozen=True)
@@ -54,10 +64,17 @@ class Packed4:
     group: int                       # input values per scale group (the whole input: 0)
     desc_act: bool = False           # GPTQ act-order: g_idx is a permutation of the groups
     symmetric: bool = True
+    quant_type: str = ""             # bitsandbytes: nf4 | fp4
+
+    @property
+    def unit_name(self) -> str:
+        """What one scale covers: a group (int4 formats) or a block (fp4 / bitsandbytes)."""
+        return "block" if self.name in ("nvfp4", "bnb") else "group"
 
     def describe(self) -> str:
-        group = f" group {self.group}" if self.group else ""
-        return f"{self.name}{group}{' desc_act' if self.desc_act else ''} ({self.where})"
+        group = f" {self.unit_name} {self.group}" if self.group else ""
+        kind = f" {self.quant_type}" if self.quant_type else ""
+        return f"{self.name}{kind}{group}{' desc_act' if self.desc_act else ''} ({self.where})"
 
     def cuts(self, in_features: int) -> dict[str, Cut]:
         """suffix -> Cut, the tensor that marks a quantized linear first."""
@@ -75,6 +92,15 @@ class Packed4:
             return {"weight_packed": Cut((OUT, 1), (IN, 8), i32), "weight_scale": Cut((OUT, 1), (IN, g), scale),
                     "weight_zero_point": Cut((OUT, 8), (IN, g), i32, optional=self.symmetric),
                     "weight_shape": Cut((ONE, 1), (ONE, 1), ("I64", "I32"), optional=True, per_part=True)}
+        if self.name == "bnb":
+            part = dict(optional=True, per_part=True)
+            return {"weight.absmax": Cut((OUT, 1), (IN, BNB_BLOCK), ("F32", "U8"), flat=True),
+                    "weight": Cut((OUT, 1), (IN, 2), ("U8",), flat=True),
+                    "weight.quant_map": Cut((ONE, 1), (ONE, 1), ("F32",), per_part=True),
+                    "weight.nested_absmax": Cut((ONE, 1), (ONE, 1), ("F32",), **part),
+                    "weight.nested_quant_map": Cut((ONE, 1), (ONE, 1), ("F32",), **part),
+                    f"weight.quant_state.bitsandbytes__{self.quant_type}": Cut((ONE, 1), (ONE, 1), ("U8",),
+                                                                                per_part=True)}
         return {"weight_scale": Cut((OUT, 1), (IN, 16), ("F8_E4M3",)), "weight": Cut((OUT, 1), (IN, 2), ("U8",)),
                 "weight_scale_2": Cut((ONE, 1), (ONE, 1), ("F32",), per_part=True),
                 "input_scale": Cut((ONE, 1), (ONE, 1), ("F32",), optional=True, per_part=True)}
@@ -101,6 +127,12 @@ def checkpoint_scheme(config: dict) -> Packed4 | None:
             raise PlanError(f"{where}: checkpoint_format {fmt!r}; distload loads the AutoGPTQ v1 layout "
                             f"('gptq'); convert the checkpoint with gptqmodel first")
         return Packed4("gptq", where, group, desc_act=bool(qc.get("desc_act")), symmetric=bool(qc.get("sym", True)))
+    if method == "bitsandbytes":
+        kind = qc.get("bnb_4bit_quant_type", "fp4")
+        if not qc.get("load_in_4bit") or kind not in ("nf4", "fp4"):
+            raise PlanError(f"{where}: load_in_4bit {qc.get('load_in_4bit')!r}, bnb_4bit_quant_type {kind!r}; "
+                            f"distload loads pre-quantized 4-bit (nf4 / fp4) bitsandbytes checkpoints")
+        return Packed4("bnb", where, BNB_BLOCK, quant_type=kind)
     if method == "modelopt":
         body = qc.get("quantization", qc)
         if body.get("quant_algo") != "NVFP4":
@@ -188,7 +220,12 @@ def logical_index(targets, tensors: dict, scheme: Packed4 | None, rules, config:
         logical = replace(t, sources=tuple(LOGICAL.format(s) for s in t.sources)) if rename else t
         for s, v in zip(t.sources, logical.sources):
             index[v] = replace(tensors[with_suffix(s, marker)], name=v, dtype=dtype, shape=shapes[s], nbytes=0)
-        packed += _packed_of(t, logical, tensors, scheme, shapes)
+        found = _packed_of(t, logical, tensors, scheme, shapes)
+        for p in found:  # a flat tensor is read as its [rows, cols] view: the same bytes
+            if p.cut.flat:
+                for s, n in zip(t.sources, p.sources):
+                    index[n] = replace(tensors[n], shape=expected_view(p.cut, *shapes[s]))
+        packed += found
         out_targets.append(logical)
     return Logical(index, out_targets, tuple(packed))
 
@@ -202,6 +239,9 @@ def _logical_shapes(t, tensors: dict, scheme: Packed4, rules, config: dict) -> d
             out[s] = expected[s]
             continue
         marker, cut = next(iter(scheme.cuts(1).items()))
+        if cut.flat:
+            raise PlanError(f"{t.name} ({scheme.describe()}): {s} is stored flat and the rules "
+                            f"({rules.source}) give no shape for it; add `shape` to the rule")
         rows, cols = tensors[with_suffix(s, marker)].shape
         sizes = {cut.rows[0]: rows * cut.rows[1], cut.cols[0]: cols * cut.cols[1]}
         out[s] = (sizes[OUT], sizes[IN])
@@ -244,6 +284,12 @@ def _check_tensor(entry, cut: Cut, shape: tuple[int, int], scheme: Packed4, targ
             raise PlanError(f"{entry.name}: the {axis}put size {size} of {target} is not a multiple of {unit} "
                             f"({scheme.describe()}); config.json and the checkpoint disagree")
     want = expected_view(cut, out_f, in_f)
+    if cut.flat:
+        if len(entry.shape) not in (1, 2) or math.prod(entry.shape) != math.prod(want) or view2d(entry.shape)[1] != 1:
+            raise PlanError(f"{entry.name}: shape {list(entry.shape)}, but a {scheme.name} weight [{out_f}, {in_f}] "
+                            f"stores {math.prod(want)} values flat ({scheme.describe()}); config.json and the "
+                            f"checkpoint disagree")
+        return
     if view2d(tuple(entry.shape)) != want or len(entry.shape) != (1 if cut.cols[0] == ONE else 2):
         raise PlanError(f"{entry.name}: shape {list(entry.shape)}, but a {scheme.name} weight [{out_f}, {in_f}] "
                         f"needs {list(want[:1] if cut.cols[0] == ONE else want)} ({scheme.describe()}); "

@@ -55,7 +55,7 @@ def _units(tensors: list[PackedTensor], scheme: Packed4):
         for axis, unit in (p.cut.rows, p.cut.cols):
             if axis == ONE or unit == 1 or (axis == IN and p.cut.whole_in):
                 continue
-            kind = "group" if axis == IN and unit == scheme.group else "pack"
+            kind = scheme.unit_name if axis == IN and unit == scheme.group else "pack"
             out.append((axis, unit, f"{unit}-value {kind} of its {p.suffix}"))
     if scheme.name == "gptq" and scheme.group:  # vLLM: the local input is a whole number of groups
         out.append((IN, scheme.group, f"{scheme.group}-value group of its scales"))

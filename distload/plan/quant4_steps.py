@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import PlanError
 from .quant import DEQUANTIZED_DTYPE
-from .quant4 import Packed4, PackedTensor
+from .quant4 import BNB_BLOCK, Packed4, PackedTensor
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class Dequant4Step:
     group: int
     runs: tuple[tuple[int, int], ...] = ()
     use_g_idx: bool = False
+    # bitsandbytes: per logical piece (dst_row, dst_col, rows, cols, src_row, src_col, src_cols, part) in
+    # absmax blocks, to find each local block's global index; and each part's quant_state length in bytes
+    blocks: tuple[tuple[int, ...], ...] = ()
+    state_sizes: tuple[int, ...] = ()
 
 
 def _runs(lay, sources: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
@@ -44,7 +48,14 @@ def _runs(lay, sources: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     return tuple((r, p) for r, p in runs)
 
 
-def finalize(staging: list[dict], logical: dict, packed: tuple[PackedTensor, ...], targets: dict,
+def _blocks(lay, sources: tuple[str, ...], index: dict) -> tuple[tuple[int, ...], ...]:
+    """The logical pieces in absmax blocks (bitsandbytes: 64 inputs of one row each)."""
+    part_of, b = {s: i for i, s in enumerate(sources)}, BNB_BLOCK
+    return tuple((pc.dst_row, pc.dst_col // b, pc.rows[1] - pc.rows[0], (pc.cols[1] - pc.cols[0]) // b, pc.rows[0],
+                  pc.cols[0] // b, index[pc.source].shape[1] // b, part_of[pc.source]) for pc in lay.pieces)
+
+
+def finalize(staging: list[dict], logical: dict, packed: tuple[PackedTensor, ...], targets: dict, index: dict,
              scheme: Packed4, quantize: str | None, dequantize: bool) -> tuple[list[dict], list[tuple], str]:
     """(final specs per rank, steps per rank, what the load does about quantization)."""
     if quantize:
@@ -61,11 +72,14 @@ def finalize(staging: list[dict], logical: dict, packed: tuple[PackedTensor, ...
     for weight, tensors in by_weight.items():
         specs, lays = logical[weight]
         sources = targets[weight].sources
+        states = [p for p in tensors if p.suffix.startswith("weight.quant_state.")]
+        state_sizes = tuple(index[n].nbytes for n in states[0].sources) if states else ()
         for r, (spec, lay) in enumerate(zip(specs, lays)):
             for p in tensors:
                 del final[r][p.name]
             final[r][weight] = replace(spec, dtype=DEQUANTIZED_DTYPE)
             steps[r].append(Dequant4Step("dequantize4", tuple(p.name for p in tensors), (weight,), scheme.name,
                                          tuple(p.suffix for p in tensors), scheme.group, _runs(lay, sources),
-                                         scheme.desc_act))
+                                         scheme.desc_act, _blocks(lay, sources, index) if states else (),
+                                         state_sizes))
     return final, [tuple(s) for s in steps], scheme.describe() + " -> BF16 (--dequantize)"
