@@ -71,6 +71,15 @@ def _bnb(step, t: dict, dtype) -> torch.Tensor:
 def dequantize4(step, finals, *inputs) -> tuple[torch.Tensor]:
     t = dict(zip(step.suffixes, inputs))
     dtype = torch_dtype(finals[0].dtype)
+    if len(finals[0].local_shape) == 3:  # experts: each local expert is its own matrix
+        out = torch.empty(finals[0].local_shape, dtype=dtype, device=inputs[0].device)
+        for e in range(out.shape[0]):
+            out[e] = _dequantize_matrix(step, {k: v[e] for k, v in t.items()}, dtype)
+        return (out,)
+    return (_dequantize_matrix(step, t, dtype),)
+
+
+def _dequantize_matrix(step, t: dict, dtype) -> torch.Tensor:
     if step.format == "gptq":
         g_idx = t.get("g_idx") if step.use_g_idx else None
         w = kernels.dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=step.group or -1,
@@ -84,7 +93,7 @@ def dequantize4(step, finals, *inputs) -> tuple[torch.Tensor]:
         w = _bnb(step, t, dtype)
     else:
         w = _nvfp4(step, t, dtype)
-    return (w,)
+    return w
 
 
 OPS = {"dequantize4": dequantize4}

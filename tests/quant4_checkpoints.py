@@ -14,7 +14,7 @@ import torch
 
 import quant4_reference as ref
 
-LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")   # on disk, a quantized linear
+LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+_proj\.weight$")  # quantized, on disk
 GROUP = 16
 
 # format -> suffix -> ((rows axis, values per row), (cols axis, values per col)); "one": no such axis

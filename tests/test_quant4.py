@@ -24,6 +24,7 @@ from layout_oracle import serving_shards
 from spawn import run_ranks
 
 FORMATS = ["gptq", "gptq-act", "awq", "ct", "ct-asym", "nvfp4", "bnb", "bnb-nested"]
+MOE_FORMATS = ["gptq-act", "awq", "ct-asym", "nvfp4"]
 ROW_STYLE = ("self_attn.o_proj.", "mlp.down_proj.")
 SERVING_LINEARS = ("self_attn.qkv_proj.", "self_attn.o_proj.", "mlp.gate_up_proj.", "mlp.down_proj.")
 PARTS = {"self_attn.qkv_proj.": ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."),
@@ -40,8 +41,10 @@ def checkpoints(tmp_path_factory):
     # bitsandbytes blocks hold 64 inputs: a wider model, so that tp 4 cuts whole blocks
     wide = save_checkpoint("llama", root / "llama-wide", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
                            max_shard_size="1MB")
+    moe = save_checkpoint("qwen3_moe", root / "qwen3-moe", dtype=torch.bfloat16)
     return {"llama": llama, **{fmt: q4.packed_checkpoint(wide if fmt.startswith("bnb") else llama, root / fmt, fmt)
-                               for fmt in FORMATS}}
+                               for fmt in FORMATS},
+            **{f"moe-{fmt}": q4.packed_checkpoint(moe, root / f"moe-{fmt}", fmt) for fmt in MOE_FORMATS}}
 
 
 def _plan(path, tp=2, **options):
@@ -179,7 +182,7 @@ def test_dequantize_and_quantize_options(checkpoints):
 # Whole loads: tp 2 on gloo ranks
 
 
-def _expected_packed(ckpt: dict, config: dict, fmt: str, rank: int, tp: int) -> dict:
+def _expected_packed(ckpt: dict, config: dict, fmt: str, rank: int, tp: int, ep: int = 1) -> dict:
     """Rank `rank`'s packed serving tensors, cut by the oracle on each tensor's logical grid."""
     out = {}
     for suffix, orient in q4.ORIENT[fmt].items():
@@ -192,10 +195,13 @@ def _expected_packed(ckpt: dict, config: dict, fmt: str, rank: int, tp: int) -> 
             if orient is not None:
                 flat = fmt.startswith("bnb") and suffix in q4.FLAT
                 hf[b + "weight"] = q4.logical_grid(ckpt[b + suffix], orient, *shapes[b], flat=flat)
-        shards = serving_shards(hf, config, rank, tp) if orient is not None else {}
+        shards = serving_shards(hf, config, rank, tp, ep) if orient is not None else {}
         for i in range(config["num_hidden_layers"]):
             a = f"model.layers.{i}."
+            moe = a + "mlp.gate.weight" in ckpt
             for serving, parts in PARTS.items():
+                if moe and serving.startswith("mlp."):
+                    continue
                 name = a + serving + suffix
                 if orient is None:   # per part, in part order
                     out[name] = torch.cat([ckpt[a + p + suffix].reshape(-1) for p in parts])
@@ -205,6 +211,26 @@ def _expected_packed(ckpt: dict, config: dict, fmt: str, rank: int, tp: int) -> 
                     out[name] = ckpt[a + parts[0] + suffix]        # desc_act: every group on every rank
                 else:
                     out[name] = q4.sample_back(shards[a + serving + "weight"], orient)
+            if moe:
+                out.update(_expected_experts(ckpt, config, fmt, suffix, orient, shards, a, rank, tp, ep))
+    return out
+
+
+def _expected_experts(ckpt, config, fmt, suffix, orient, shards, a, rank, tp, ep) -> dict:
+    """w13_<suffix> / w2_<suffix> of the rank's local experts (ascending ids), like w13_weight / w2_weight."""
+    n = config.get("num_experts") or config["num_local_experts"]
+    ids = range((rank // (tp // ep)) * n // ep, (rank // (tp // ep) + 1) * n // ep)
+    out = {}
+    for w, parts in (("w13_", ("gate_proj.", "up_proj.")), ("w2_", ("down_proj.",))):
+        name = a + "mlp.experts." + w + suffix
+        if orient is None:
+            out[name] = torch.stack([torch.cat([ckpt[f"{a}mlp.experts.{e}.{p}{suffix}"].reshape(-1) for p in parts])
+                                     for e in ids])
+        elif fmt == "gptq-act" and suffix in ("scales", "qzeros") and w == "w2_":
+            out[name] = torch.stack([ckpt[f"{a}mlp.experts.{e}.down_proj.{suffix}"] for e in ids])
+        else:
+            grid = shards[a + "mlp.experts." + w + "weight"]
+            out[name] = torch.stack([q4.sample_back(g, orient) for g in grid])
     return out
 
 
@@ -248,43 +274,80 @@ def test_every_rank_cut_exact_at_tp_1_2_4(checkpoints, fmt):
                 assert torch.equal(w, oracle[step.outputs[0]].to(torch.bfloat16)), (fmt, tp, rank, step.outputs)
 
 
-def _load_formats(paths: dict) -> dict:
-    import torch.distributed as dist
+@pytest.mark.parametrize("fmt", MOE_FORMATS)
+def test_moe_experts_cut_exact_at_tp_and_ep(checkpoints, fmt):
+    """Qwen3-MoE: w13_/w2_ packed tensors of each rank's local experts, TP-split inside, and dequantized."""
+    from distload import postprocess_4bit
+    from hf_models import checkpoint_tensors, read_config
 
+    path = checkpoints[f"moe-{fmt}"]
+    ckpt, config = checkpoint_tensors(path), read_config(path)
+    reference = q4.dequantized(ckpt, fmt)
+    index = discover(str(path))
+    for tp, ep in ((1, 1), (2, 1), (2, 2), (4, 2)):
+        layout = Layout(world=tp, tp=tp, ep=ep)
+        plan = build_plan(index.tensors, index.config, rules_for(index.config), layout)
+        deq = build_plan(index.tensors, index.config, rules_for(index.config), layout, dequantize=True)
+        for rank in range(tp):
+            got = _assemble(plan, ckpt, rank)
+            want = _expected_packed(ckpt, config, fmt, rank, tp, ep)
+            assert {n for n in got if "experts.w" in n} == {n for n in want if "experts.w" in n}
+            for name, w in want.items():
+                assert torch.equal(got[name].reshape(w.shape), w), (fmt, tp, ep, rank, name)
+            staged = _assemble(deq, ckpt, rank)
+            oracle = serving_shards(reference, config, rank, tp, ep)
+            for step in deq.post[rank]:
+                finals = [deq.specs[rank][n] for n in step.outputs]
+                (w,) = postprocess_4bit.dequantize4(step, finals, *(staged[n] for n in step.inputs))
+                assert torch.equal(w, oracle[step.outputs[0]].to(torch.bfloat16)), (fmt, tp, ep, rank, step.outputs)
+
+
+LOAD_CASES = [(fmt, fmt, 1) for fmt in FORMATS] + [("moe-awq ep2", "awq", 2), ("moe-nvfp4 ep2", "nvfp4", 2)]
+SERVING_PACKED = SERVING_LINEARS + ("mlp.experts.w",)
+
+
+def _load_case(path: str, fmt: str, ep: int, rank: int, tp: int) -> list[str]:
     import distload
     from hf_models import checkpoint_tensors, read_config
 
+    problems = []
+    ckpt, config = checkpoint_tensors(path), read_config(path)
+    packed = distload.load(path, tp=tp, ep=ep, progress=False)
+    want = _expected_packed(ckpt, config, fmt, rank, tp, ep)
+    held = {n for n in packed.params if any(s in n for s in SERVING_PACKED) and not n.endswith(".bias")}
+    if held != set(want) or len(want) < 4 * config["num_hidden_layers"] * 2:
+        problems.append(f"packed params {sorted(held ^ set(want))[:6]} differ from the oracle's")
+    for name, t in want.items():
+        got = packed.params.get(name)
+        if got is None or got.dtype != t.dtype or not torch.equal(got.reshape(t.shape), t):
+            problems.append(f"{name} differs from the oracle's cut"
+                            + ("" if got is None else f" ({got.dtype} {list(got.shape)} vs {t.dtype} {list(t.shape)})"))
+    deq = distload.load(path, tp=tp, ep=ep, progress=False, dequantize=True)
+    oracle = serving_shards(q4.dequantized(ckpt, fmt), config, rank, tp, ep)
+    for n, w in oracle.items():
+        got = deq.params.get(n)
+        want_w = w.to(torch.bfloat16) if any(s in n for s in SERVING_PACKED) else w
+        if got is None or got.dtype != want_w.dtype or not torch.equal(got, want_w):
+            problems.append(f"--dequantize: {n} differs from the reference dequantization")
+    extra = sorted(set(deq.params) - set(oracle))
+    if extra:
+        problems.append(f"--dequantize: unexpected params {extra[:4]}")
+    return problems + ["report not ok"] * (not packed.report["ok"] or not deq.report["ok"])
+
+
+def _load_formats(paths: dict) -> dict:
+    import torch.distributed as dist
+
     rank, tp = dist.get_rank(), dist.get_world_size()
-    problems, reports = [], {}
-    for fmt in FORMATS:
-        ckpt, config = checkpoint_tensors(paths[fmt]), read_config(paths[fmt])
-        packed = distload.load(paths[fmt], tp=tp, progress=False)
-        reports[fmt] = packed.report
-        want = _expected_packed(ckpt, config, fmt, rank, tp)
-        held = {n for n in packed.params if any(s in n for s in SERVING_LINEARS) and not n.endswith(".bias")}
-        if held != set(want) or len(want) < 4 * config["num_hidden_layers"] * 2:
-            problems.append(f"{fmt} rank {rank}: packed params {sorted(held ^ set(want))[:6]} differ from the oracle's")
-        for name, t in want.items():
-            got = packed.params.get(name)
-            if got is None or got.dtype != t.dtype or not torch.equal(got.reshape(t.shape), t):
-                problems.append(f"{fmt} rank {rank}: {name} differs from the oracle's cut"
-                                + ("" if got is None else f" ({got.dtype} {list(got.shape)} vs {t.dtype} {list(t.shape)})"))
-        deq = distload.load(paths[fmt], tp=tp, progress=False, dequantize=True)
-        oracle = serving_shards(q4.dequantized(ckpt, fmt), config, rank, tp)
-        for n, w in oracle.items():
-            got = deq.params.get(n)
-            want_w = w.to(torch.bfloat16) if any(s in n for s in SERVING_LINEARS) else w
-            if got is None or got.dtype != want_w.dtype or not torch.equal(got, want_w):
-                problems.append(f"{fmt} --dequantize rank {rank}: {n} differs from the reference dequantization")
-        extra = sorted(set(deq.params) - set(oracle))
-        if extra:
-            problems.append(f"{fmt} --dequantize rank {rank}: unexpected params {extra[:4]}")
-    return {"problems": problems, "reports": reports}
+    problems = []
+    for case, fmt, ep in LOAD_CASES:
+        path = paths[f"moe-{fmt}" if case.startswith("moe") else fmt]
+        problems += [f"{case} rank {rank}: {p}" for p in _load_case(path, fmt, ep, rank, tp)]
+    return {"problems": problems}
 
 
 def test_packed_4bit_loads_at_tp2(checkpoints):
+    """Every format at tp 2 (and two MoE ones at ep 2) through distload.load on gloo ranks."""
     results = run_ranks(2, _load_formats, {k: str(v) for k, v in checkpoints.items()})
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:40])
-    for fmt in FORMATS:
-        assert results[0]["reports"][fmt]["ok"], fmt

@@ -211,16 +211,26 @@ def logical_index(targets, tensors: dict, scheme: Packed4 | None, rules, config:
             out_targets.append(t)
             continue
         present = [s for s in t.sources if with_suffix(s, marker) in tensors]
-        if t.rule.style in ("expert", "vocab") or len(present) != len(t.sources):
-            what = ("packed 4-bit experts and vocab params are not planned yet; dequantize them first"
-                    if len(present) == len(t.sources) else
+        unsupported = t.rule.style == "vocab" or (t.rule.style == "expert" and (t.rule.stacked or scheme.name == "bnb"))
+        if unsupported or len(present) != len(t.sources):
+            what = ("packed 4-bit vocab params, stacked experts and bitsandbytes experts are not planned yet; "
+                    "dequantize them first" if len(present) == len(t.sources) else
                     f"only {names.describe(present)} of its parts are packed; the checkpoint is incomplete")
             raise PlanError(f"{t.name} (rule {t.rule.style}, {scheme.describe()}): {what}")
         shapes = _logical_shapes(t, tensors, scheme, rules, config)
-        logical = replace(t, sources=tuple(LOGICAL.format(s) for s in t.sources)) if rename else t
+        logical = t if not rename else replace(
+            t, sources=tuple(LOGICAL.format(s) for s in t.sources),
+            expert_sources=tuple(tuple(LOGICAL.format(s) for s in ss) for ss in t.expert_sources))
         for s, v in zip(t.sources, logical.sources):
             index[v] = replace(tensors[with_suffix(s, marker)], name=v, dtype=dtype, shape=shapes[s], nbytes=0)
         found = _packed_of(t, logical, tensors, scheme, shapes)
+        if t.rule.style == "expert":  # an expert's 1-D tensor (g_idx) is one row of the [experts, n] param
+            found = [replace(p, cut=replace(p.cut, rows=(ONE, 1), cols=p.cut.rows, flat=True))
+                     if p.cut.cols[0] == ONE and not p.cut.per_part else p for p in found]
+        for p in found:
+            if t.rule.style == "expert" and p.cut.per_part:  # one row of [local experts, parts * numel]
+                for n in p.sources:
+                    index[n] = replace(tensors[n], shape=(1, math.prod(tensors[n].shape)))
         for p in found:  # a flat tensor is read as its [rows, cols] view: the same bytes
             if p.cut.flat:
                 for s, n in zip(t.sources, p.sources):

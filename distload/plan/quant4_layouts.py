@@ -108,24 +108,31 @@ def _cut(p: PackedTensor, specs, lays, index: dict):
     packed_of = dict(p.scale_of)
     out_specs, out_lays = [], []
     for spec, lay in zip(specs, lays):
+        experts = spec.style == "expert"   # [local experts, n, k]: each slot's matrix cut alike, stacked
+        (g_out, g_in), (l_out, l_in) = spec.global_shape[-2:], spec.local_shape[-2:]
+        local, glob = _shape(p, l_out, l_in, g_in), _shape(p, g_out, g_in, g_in)
+        per_slot = view2d(local)[0]
         pieces = []
         for pc in lay.pieces:
+            slot, d = divmod(pc.dst_row, l_out) if experts else (0, pc.dst_row)
             full_in = index[pc.source].shape[1]
             whole = -(-full_in // p.cut.rows[1]) if p.cut.whole_in and p.cut.rows[0] == IN else None
-            rows, dst_row = _axis(*p.cut.rows, pc, whole)
-            cols, dst_col = _axis(*p.cut.cols, pc, None)
-            pieces.append(Piece(packed_of[pc.source], rows, cols, dst_row, dst_col))
-        (g_out, g_in), full_in = spec.global_shape, spec.global_shape[1]
-        local = _shape(p, spec.local_shape[0], spec.local_shape[1], full_in)
-        glob = _shape(p, g_out, g_in, full_in)
+            in_slot = Piece(pc.source, pc.rows, pc.cols, d, pc.dst_col)
+            rows, dst_row = _axis(*p.cut.rows, in_slot, whole)
+            cols, dst_col = _axis(*p.cut.cols, in_slot, None)
+            pieces.append(Piece(packed_of[pc.source], rows, cols, slot * per_slot + dst_row, dst_col))
+        if experts:
+            one_row = p.cut.rows[0] == ONE   # an expert's 1-D tensor: one row of [local experts, n]
+            local = (len(spec.experts),) + (local[1:] if one_row else local)
+            glob = (spec.global_shape[0],) + (glob[1:] if one_row else glob)
         dtype = index[p.sources[0]].dtype
-        style = spec.style if _follows_cut(p, spec.style) else "replicate"
+        style = spec.style if experts or _follows_cut(p, spec.style) else "replicate"
         lay_out = LocalLayout(*view2d(local), tuple(_merge(p, pieces)))
         if sum(pc.numel for pc in lay_out.pieces) != math.prod(local):
             raise PlanError(f"{p.name}: its pieces do not tile its local shape {list(local)}; a packed tensor "
                             f"cannot follow this layout of {p.weight}")
         out_lays.append(lay_out)
-        out_specs.append(ParamSpec(p.name, style, dtype, glob, local))
+        out_specs.append(ParamSpec(p.name, style, dtype, glob, local, experts=spec.experts))
     return out_specs, out_lays
 
 
@@ -137,14 +144,19 @@ def _follows_cut(p: PackedTensor, style: str) -> bool:
 
 def _merge(p: PackedTensor, pieces: list[Piece]) -> list[Piece]:
     """A tensor without an output axis (GPTQ g_idx) is one per layer input: the fused parts share their
-    input, so (as in vLLM) the first part's is the param's; other repeats are kept once."""
+    input, so (as in vLLM) the first part's is the param's (per expert slot); other repeats are kept once."""
     if OUT not in (p.cut.rows[0], p.cut.cols[0]):
-        pieces = [pc for pc in pieces if pc.source == p.sources[0]]
+        first: dict[tuple[int, int], Piece] = {}
+        for pc in pieces:
+            first.setdefault((pc.dst_row, pc.dst_col), pc)
+        return list(first.values())
     return list(dict.fromkeys(pieces))
 
 
 def _per_part(p: PackedTensor, specs, index: dict):
     entries = [index[s] for s in p.sources]
+    if specs and specs[0].style == "expert":
+        return _per_part_experts(p, specs, entries)
     if len(entries) == 1:
         (e,) = entries
         lay = LocalLayout(*view2d(tuple(e.shape)), (Piece(e.name, (0, view2d(tuple(e.shape))[0]), (0, 1), 0, 0),))
@@ -155,3 +167,18 @@ def _per_part(p: PackedTensor, specs, index: dict):
     pieces = tuple(Piece(e.name, (0, n), (0, 1), sum(rows[:i]), 0) for i, (e, n) in enumerate(zip(entries, rows)))
     lay = LocalLayout(shape[0], 1, pieces)
     return ([ParamSpec(p.name, "replicate", entries[0].dtype, shape, shape) for _ in specs], [lay for _ in specs])
+
+
+def _per_part_experts(p: PackedTensor, specs, entries):
+    """Per-part tensors of experts: [local experts, parts * numel], slot by slot (sources run expert by expert;
+    logical_index gives each the view [1, numel])."""
+    n_parts = len(entries) // specs[0].global_shape[0]
+    k = entries[0].shape[1]
+    out_specs, out_lays = [], []
+    for spec in specs:
+        pieces = tuple(Piece(entries[e * n_parts + j].name, (0, 1), (0, k), slot, j * k)
+                       for slot, e in enumerate(spec.experts) for j in range(n_parts))
+        out_lays.append(LocalLayout(len(spec.experts), n_parts * k, pieces))
+        out_specs.append(ParamSpec(p.name, "expert", entries[0].dtype, (spec.global_shape[0], n_parts * k),
+                                   (len(spec.experts), n_parts * k), experts=spec.experts))
+    return out_specs, out_lays

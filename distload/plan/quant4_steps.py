@@ -35,11 +35,11 @@ class Dequant4Step:
     state_sizes: tuple[int, ...] = ()
 
 
-def _runs(lay, sources: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    """(rows, part) down the local logical weight, from the pieces at input column 0."""
-    part_of = {s: i for i, s in enumerate(sources)}
+def _runs(lay, spec, part_of: dict) -> tuple[tuple[int, int], ...]:
+    """(rows, part) down the (first) local logical matrix, from the pieces at input column 0."""
+    n_loc = spec.local_shape[-2]
     runs: list[list[int]] = []
-    for pc in sorted((p for p in lay.pieces if p.dst_col == 0), key=lambda p: p.dst_row):
+    for pc in sorted((p for p in lay.pieces if p.dst_col == 0 and p.dst_row < n_loc), key=lambda p: p.dst_row):
         part = part_of[pc.source]
         if runs and runs[-1][1] == part:
             runs[-1][0] += pc.rows[1] - pc.rows[0]
@@ -71,15 +71,20 @@ def finalize(staging: list[dict], logical: dict, packed: tuple[PackedTensor, ...
     steps: list[list[Dequant4Step]] = [[] for _ in staging]
     for weight, tensors in by_weight.items():
         specs, lays = logical[weight]
-        sources = targets[weight].sources
+        target = targets[weight]
+        sources = target.sources
+        part_of = ({s: j for parts in target.expert_sources for j, s in enumerate(parts)} if target.expert_sources
+                   else {s: i for i, s in enumerate(sources)})
         states = [p for p in tensors if p.suffix.startswith("weight.quant_state.")]
         state_sizes = tuple(index[n].nbytes for n in states[0].sources) if states else ()
         for r, (spec, lay) in enumerate(zip(specs, lays)):
+            if spec.style == "expert" and not spec.experts:
+                continue  # this rank hosts no expert: nothing to rewrite
             for p in tensors:
                 del final[r][p.name]
             final[r][weight] = replace(spec, dtype=DEQUANTIZED_DTYPE)
             steps[r].append(Dequant4Step("dequantize4", tuple(p.name for p in tensors), (weight,), scheme.name,
-                                         tuple(p.suffix for p in tensors), scheme.group, _runs(lay, sources),
+                                         tuple(p.suffix for p in tensors), scheme.group, _runs(lay, spec, part_of),
                                          scheme.desc_act, _blocks(lay, sources, index) if states else (),
                                          state_sizes))
     return final, [tuple(s) for s in steps], scheme.describe() + " -> BF16 (--dequantize)"
