@@ -152,7 +152,7 @@ def test_an_odd_pack_is_refused(checkpoints, tmp_path):
 
 
 def test_scheme_errors_name_the_config_key():
-    from distload.plan.quant4 import checkpoint_scheme
+    from distload.plan.quant4_formats import checkpoint_scheme
 
     assert checkpoint_scheme({}) is None
     assert checkpoint_scheme({"quantization_config": {"quant_method": "fp8"}}) is None

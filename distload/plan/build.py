@@ -10,7 +10,7 @@ from __future__ import annotations
 from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
-from . import expected_shapes, quant, quant4, quant4_layouts, quant4_steps, quant_layouts, quant_steps
+from . import expected_shapes, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts, quant_steps
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_hosts
 from .layouts import Planned, layouts_for_target, relayout
@@ -32,7 +32,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     scheme = quant.checkpoint_scheme(config)
     companions = quant.companions(targets, tensors, scheme)
     # A packed 4-bit checkpoint is planned on its logical weights; the packed tensors follow them (quant4*.py).
-    packed4 = quant4.checkpoint_scheme(config)
+    packed4 = quant4_formats.checkpoint_scheme(config)
     logical = quant4.logical_index(targets, tensors, packed4, rules, config)
     targets, index = logical.targets, logical.index
     match = match_checkpoint(targets, companions + list(logical.packed), tied, index, rules, config, strict)

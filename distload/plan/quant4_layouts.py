@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 
 from ..errors import PlanError
-from .quant4 import IN, ONE, OUT, Packed4, PackedTensor, expected_view
+from .quant4 import PackedTensor
+from .quant4_formats import IN, ONE, OUT, Packed4, expected_view
 from .shard import LocalLayout, Piece, valid_group_sizes, view2d
 from .types import ParamSpec
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 
 from ..errors import PlanError
 from .quant import DEQUANTIZED_DTYPE
-from .quant4 import BNB_BLOCK, Packed4, PackedTensor
+from .quant4 import PackedTensor
+from .quant4_formats import BNB_BLOCK, Packed4
 
 
 @dataclass(frozen=True)
