@@ -121,13 +121,19 @@ def _packed_of(t, logical, tensors: dict, scheme: Packed4, shapes: dict) -> list
         present = [n for n in names_ if n in tensors]
         if not present and cut.optional:
             continue
-        if len(present) != len(names_):
+        # A tensor of the layer input (g_idx) is the first part's (quant4_layouts._merge): the others may be
+        # absent (a sharded save keeps only what was delivered).
+        shared_input = OUT not in (cut.rows[0], cut.cols[0]) and not cut.per_part
+        needed = names_[:1] if shared_input else names_
+        if any(n not in tensors for n in needed):
             missing = sorted(set(names_) - set(present))
             raise PlanError(f"{t.name} ({scheme.describe()}): the checkpoint lacks {names.describe(missing)}; "
                             f"every quantized linear of this format has its {suffix}: the checkpoint is incomplete")
+        pairs = tuple((v, n) for s, v, n in zip(t.sources, logical.sources, names_) if n in tensors)
         for s, n in zip(t.sources, names_):
-            _check_tensor(tensors[n], cut, shapes[s], scheme, t.name)
-        out.append(PackedTensor(with_suffix(t.name, suffix), t.name, suffix, cut, tuple(zip(logical.sources, names_))))
+            if n in tensors:
+                _check_tensor(tensors[n], cut, shapes[s], scheme, t.name)
+        out.append(PackedTensor(with_suffix(t.name, suffix), t.name, suffix, cut, pairs))
     return out
 
 

@@ -115,6 +115,8 @@ def _cut(p: PackedTensor, specs, lays, index: dict):
         per_slot = view2d(local)[0]
         pieces = []
         for pc in lay.pieces:
+            if pc.source not in packed_of:
+                continue  # a shared-input tensor (g_idx) of a later part: the first part's stands for it
             slot, d = divmod(pc.dst_row, l_out) if experts else (0, pc.dst_row)
             full_in = index[pc.source].shape[1]
             whole = -(-full_in // p.cut.rows[1]) if p.cut.whole_in and p.cut.rows[0] == IN else None
