@@ -223,9 +223,10 @@ def _expected_experts(ckpt, config, fmt, suffix, orient, shards, a, rank, tp, ep
     out = {}
     for w, parts in (("w13_", ("gate_proj.", "up_proj.")), ("w2_", ("down_proj.",))):
         name = a + "mlp.experts." + w + suffix
-        if orient is None:
+        if orient is None:   # input scales: every expert's (the kernels take their max)
+            which = range(n) if suffix == "input_scale" else ids
             out[name] = torch.stack([torch.cat([ckpt[f"{a}mlp.experts.{e}.{p}{suffix}"].reshape(-1) for p in parts])
-                                     for e in ids])
+                                     for e in which])
         elif fmt == "gptq-act" and suffix in ("scales", "qzeros") and w == "w2_":
             out[name] = torch.stack([ckpt[f"{a}mlp.experts.{e}.down_proj.{suffix}"] for e in ids])
         else:

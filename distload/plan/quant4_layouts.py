@@ -174,14 +174,19 @@ def _per_part(p: PackedTensor, specs, index: dict):
 
 def _per_part_experts(p: PackedTensor, specs, entries):
     """Per-part tensors of experts: [local experts, parts * numel], slot by slot (sources run expert by expert;
-    logical_index gives each the view [1, numel])."""
-    n_parts = len(entries) // specs[0].global_shape[0]
-    k = entries[0].shape[1]
+    logical_index gives each the view [1, numel]); input scales [all experts, parts] on every rank."""
+    n_experts = specs[0].global_shape[0]
+    n_parts, k = len(entries) // n_experts, entries[0].shape[1]
     out_specs, out_lays = [], []
     for spec in specs:
+        # NVFP4 MoE kernels take the max input scale over all experts: every rank gets every expert's.
+        every = p.suffix == "input_scale"
+        slots = tuple(range(n_experts)) if every else spec.experts
         pieces = tuple(Piece(entries[e * n_parts + j].name, (0, 1), (0, k), slot, j * k)
-                       for slot, e in enumerate(spec.experts) for j in range(n_parts))
-        out_lays.append(LocalLayout(len(spec.experts), n_parts * k, pieces))
-        out_specs.append(ParamSpec(p.name, "expert", entries[0].dtype, (spec.global_shape[0], n_parts * k),
-                                   (len(spec.experts), n_parts * k), experts=spec.experts))
+                       for slot, e in enumerate(slots) for j in range(n_parts))
+        shape = (len(slots), n_parts * k)
+        out_lays.append(LocalLayout(*shape, pieces))
+        out_specs.append(ParamSpec(p.name, "replicate", entries[0].dtype, shape, shape) if every else
+                         ParamSpec(p.name, "expert", entries[0].dtype, (n_experts, n_parts * k), shape,
+                                   experts=spec.experts))
     return out_specs, out_lays
