@@ -87,10 +87,11 @@ def logical_index(targets, tensors: dict, scheme: Packed4 | None, rules, config:
             if t.rule.style == "expert" and p.cut.per_part:  # one row of [local experts, parts * numel]
                 for n in p.sources:
                     index[n] = replace(tensors[n], shape=(1, math.prod(tensors[n].shape)))
+        source_of = dict(zip(logical.sources, t.sources))
         for p in found:  # a flat tensor is read as its [rows, cols] view: the same bytes
             if p.cut.flat:
-                for s, n in zip(t.sources, p.sources):
-                    index[n] = replace(tensors[n], shape=expected_view(p.cut, *shapes[s]))
+                for v, n in p.scale_of:
+                    index[n] = replace(tensors[n], shape=expected_view(p.cut, *shapes[source_of[v]]))
         packed += found
         out_targets.append(logical)
     return Logical(index, out_targets, tuple(packed))
