@@ -63,7 +63,8 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
 
 def load_options(args):
     """The LoadOptions of the parsed command line (the one place flags become options)."""
-    from .options import LoadOptions, read_expert_map
+    from .options import LoadOptions
+    from .validate import read_expert_map
 
     return LoadOptions(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
                        device=args.device, backend=args.backend, timeout_s=args.timeout_s,
@@ -78,8 +79,11 @@ def load_options(args):
 
 def cmd_load(args) -> int:
     from .loader import run_load
+    from .validate import validate_load_options
 
-    run_load(args.path, load_options(args))
+    options = load_options(args)
+    validate_load_options(args.path, options)  # the save path against the checkpoint, before the rendezvous
+    run_load(args.path, options)
     return 0
 
 
