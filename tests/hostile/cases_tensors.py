@@ -37,6 +37,7 @@ def _relabel(tensor, dtype, shape=None):
 
 
 def _transposed(tensor, rows, cols):
+    """The tensor's rows x cols stored as cols x rows (its transpose)."""
     def build(ckpt, ws):
         replace_tensor(ckpt, tensor, torch.randn(rows, cols).to(torch.bfloat16).t().contiguous())
         return [str(ckpt)]
@@ -100,13 +101,13 @@ def _empty_file(size):
 
 
 SHAPE_AND_DTYPE = [
-    Case("down-proj-transposed", _transposed(DOWN, 768, 256), names=(DOWN, "768", "256")),
+    Case("down-proj-transposed", _transposed(DOWN, 256, 768), names=(DOWN, "768", "256")),
     Case("o-proj-i16-relabel", _relabel(O_PROJ, "I16"), names=(O_PROJ, "I16")),
     Case("norm-300-elements", _store(NORM, _bf16(300)), names=(NORM, "300", "256")),
     Case("norm-zero-size", _store(NORM, _bf16(0)), names=(NORM, "256")),
     Case("norm-bool", _store(NORM, torch.ones(256, dtype=torch.bool)), names=(NORM, "BOOL")),
     Case("norm-2d", _store(NORM, _bf16(256, 1)), names=(NORM, "256")),
-    Case("input-norm-i32-relabel", _relabel(IN_NORM, "I32", [128]), names=(IN_NORM, "I32")),
+    Case("input-norm-i32-relabel", _relabel(IN_NORM, "I32", [128]), names=(IN_NORM, "128", "256")),  # shape first
     Case("post-norm-f32-512-wide", _store(POST_NORM, torch.ones(512)), names=(POST_NORM, "512")),
     Case("q-proj-half-rows", _store(Q, _bf16(128, 256)), names=(Q, "128")),
     Case("v-proj-u8-relabel", _relabel(V, "U8", [64, 512]), names=(V, "U8")),
