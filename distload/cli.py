@@ -20,8 +20,20 @@ def _readers(value: str):
         raise argparse.ArgumentTypeError(f"{value!r}: choose {READER_CHOICES}") from None
 
 
+class _ReadStrategies:
+    """checkpoint.strategy.STRATEGIES, imported when argparse first looks (--read-strategy given, or the help):
+    that package imports torch, and a refused option should not wait seconds for it on every rank."""
+
+    def __iter__(self):
+        from .checkpoint.strategy import STRATEGIES
+
+        return iter(STRATEGIES)
+
+    def __contains__(self, value) -> bool:
+        return value in tuple(self)
+
+
 def _add_load_options(p: argparse.ArgumentParser) -> None:
-    from .checkpoint.strategy import STRATEGIES
     from .options import TUNING_HELP
 
     p.epilog, p.formatter_class = TUNING_HELP, argparse.RawDescriptionHelpFormatter
@@ -37,8 +49,8 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="process-group timeout, seconds")
     p.add_argument("--staging-mib", type=int, default=None,
                    help="size of one staging buffer (one bucket), MiB (default 16); a reader holds 4")
-    p.add_argument("--read-strategy", default=None, choices=STRATEGIES,
-                   help="force a read strategy (default: chosen from the file system, free RAM, the device and "
+    p.add_argument("--read-strategy", default=None, choices=_ReadStrategies(), metavar="STRATEGY",
+                   help="force a read strategy, one of %(choices)s (default: chosen from the file system, free RAM, the device and "
                         "the CPUs per rank; the choice and its reason are logged)")
     p.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"])
     p.add_argument("--expert-map", default=None, help="EPLB JSON file: per rank, the global expert ids it hosts")
@@ -78,11 +90,12 @@ def load_options(args):
 
 
 def cmd_load(args) -> int:
-    from .loader import run_load
     from .validate import validate_load_options
 
     options = load_options(args)
     validate_load_options(args.path, options)  # the save path against the checkpoint, before the rendezvous
+    from .loader import run_load  # after the checks: torch loads in seconds, a refusal needs none of it
+
     run_load(args.path, options)
     return 0
 
@@ -174,12 +187,17 @@ def main(argv=None) -> int:
         # One write per line: ranks share the terminal, and print() writes the newline separately.
         sys.stderr.write(f"distload: error on rank {rank}: {exc}\n")
         sys.stderr.flush()
-        from .transfer import report_together
+        if _process_group_exists():
+            from .transfer import report_together
 
-        report_together()
+            report_together()
         return 1
     finally:
-        import torch.distributed as dist
+        if _process_group_exists():
+            sys.modules["torch.distributed"].destroy_process_group()
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _process_group_exists() -> bool:
+    """Is there a process group to leave (none when the failure came before torch was even imported)?"""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()

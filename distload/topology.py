@@ -189,7 +189,8 @@ def init_process_group(topo: Topology) -> bool:
     if topo.backend == "nccl":
         kwargs["device_id"] = torch.device(topo.device)
     if "MASTER_ADDR" not in os.environ and topo.world == 1:
-        dist.init_process_group(store=dist.HashStore(), **kwargs)  # a plain `python -m distload load` needs no rendezvous
+        # A plain `python -m distload load` needs no rendezvous.
+        dist.init_process_group(store=dist.HashStore(), **kwargs)
         return True
     store = rendezvous_store(topo, timeout)
     arrived = f"distload/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # a restart's own keys
@@ -213,8 +214,8 @@ def rendezvous_store(topo: Topology, timeout: datetime.timedelta):
     except (dist.DistError, ValueError) as exc:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise RankFailure(f"rendezvous: rank {topo.rank} could not meet the other {topo.world - 1} rank(s) at {where} "
-                          f"within {time.monotonic() - started:.0f} s ({first_line(exc)}); check that every rank was "
-                          "started (same torchrun command on every node), that MASTER_ADDR:MASTER_PORT is reachable "
+                          f"(gave up after {time.monotonic() - started:.0f} s: {first_line(exc)}); check that every "
+                          "rank was started (same torchrun command on every node), that MASTER_ADDR:MASTER_PORT is reachable "
                           "from this node, and --timeout") from None
     store.set_timeout(timeout)
     return store
@@ -227,10 +228,11 @@ def not_arrived(store, prefix: str, topo: Topology, waited_s: float, exc: BaseEx
     except Exception:  # the store went with the node hosting it: nobody left to ask
         missing = None
     if missing:
-        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-        return RankFailure(f"rendezvous: {who} of {topo.world} did not arrive "
-                           f"within {waited_s:.0f} s; check that they started (their logs: a crash before "
-                           "distload ran, a node that is down or ran another command) and --timeout",
+        shown = ", ".join(map(str, missing[:16])) + (f" ... ({len(missing)} in all)" if len(missing) > 16 else "")
+        return RankFailure(f"rendezvous: rank{'s' if len(missing) > 1 else ''} {shown} of {topo.world} did not arrive "
+                           f"within --timeout {topo.timeout_s:g} s (rank {topo.rank} waited {waited_s:.0f} s); check "
+                           "that they started (their logs: a crash before distload ran, a node that is down or ran "
+                           "another command)",
                            {r: "never reached the rendezvous" for r in missing})
     whom = "every rank reached the rendezvous, but" if missing == [] else "the rendezvous store is gone, and"
     return RankFailure(f"rendezvous: {whom} the process group could not connect the {topo.world} ranks within "

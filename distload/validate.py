@@ -18,6 +18,7 @@ from pathlib import Path
 from .errors import DistloadError
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+SAVE_MANIFEST = "manifest.json"  # sharded.manifest.MANIFEST; that module imports torch, which a refusal needs not
 DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -173,6 +174,9 @@ def check_save_target(out: str | None) -> None:
     if target.exists() and not target.is_dir():
         raise OptionError(f"--save-sharded {out}: exists and is not a directory; name a new or an existing "
                           "save directory")
+    if target.is_dir() and not (target / SAVE_MANIFEST).is_file() and any(target.iterdir()):
+        raise OptionError(f"--save-sharded {out}: the directory exists and is not a distload save (no "
+                          f"{SAVE_MANIFEST}); a save replaces its directory: choose another path, or remove it first")
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         raise OptionError(f"--save-sharded {out}: {existing} is not a directory; choose another place")

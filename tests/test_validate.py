@@ -114,7 +114,18 @@ def test_save_path(tmp_path):
     refused(check_save_path, str(tmp_path / "file" / "out"), str(ckpt), names=("not a directory",))
     refused(check_save_path, "/proc/distload-out", str(ckpt), names=("--save-sharded", "cannot write"))
     check_save_path(str(tmp_path / "new" / "deeper"), str(ckpt))   # parents are made by the save
-    check_save_path(str(tmp_path), str(ckpt))                      # an existing directory (a previous save)
+    (tmp_path / "previous").mkdir()
+    (tmp_path / "previous" / "manifest.json").write_text("{}")
+    check_save_path(str(tmp_path / "previous"), str(ckpt))           # a previous save (the save replaces it)
+    (tmp_path / "empty").mkdir()
+    check_save_path(str(tmp_path / "empty"), str(ckpt))
+
+
+def test_save_path_refuses_a_foreign_directory_before_loading(tmp_path):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("mine")
+    refused(check_save_path, str(tmp_path / "precious"), str(tmp_path / "ckpt"),
+            names=("--save-sharded", "not a distload save", "manifest.json"))
 
 
 def test_save_path_through_a_symlink_into_the_checkpoint(tmp_path):
