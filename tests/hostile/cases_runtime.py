@@ -95,7 +95,13 @@ SHARDED = [
          names=("style",)),
 ]
 
+def _save_to(name):
+    return lambda ckpt, ws: [str(ckpt), "--save-sharded", str(ws / name)]
+
+
 RANKS = [
+    Case("save-fails-mid-write-on-rank-1", _save_to("saved"), small_files_rank=1,
+         names=("--save-sharded", "rank-00001-of-00002.safetensors")),
     Case("rank-lost-before-rendezvous", _plain("--timeout", "5"), lost_rank=1, never_starts=True,
          names=("rank 1", "did not arrive", "5 s")),  # its own --timeout: the wait is the case's cost
     Case("rank-killed-while-planning", _plain(), env=_KILL_PLANNING, lost_rank=1, names=("rank 1",)),
