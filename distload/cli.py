@@ -74,26 +74,27 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
 
 
 def load_options(args):
-    """The LoadOptions of the parsed command line (the one place flags become options)."""
+    """The LoadOptions of the parsed command line (the one place flags become options), every value and
+    output path checked, on every rank before any rendezvous."""
     from .options import LoadOptions
-    from .validate import read_expert_map
+    from .validate import read_expert_map, validate_load_options
 
-    return LoadOptions(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
-                       device=args.device, backend=args.backend, timeout_s=args.timeout_s,
-                       staging_mib=args.staging_mib, read_strategy=args.read_strategy,
-                       expert_placement=args.expert_placement,
-                       expert_map=read_expert_map(args.expert_map) if args.expert_map else None,
-                       save_sharded=args.save_sharded, report=args.report, progress=args.progress,
-                       reshard=args.reshard, checksums=args.checksums, hf_config=args.hf_config,
-                       quantize=args.quantize, dequantize=args.dequantize, verify_checksums=args.verify_checksums,
-                       check_finite=args.check_finite)
+    options = LoadOptions(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
+                          device=args.device, backend=args.backend, timeout_s=args.timeout_s,
+                          staging_mib=args.staging_mib, read_strategy=args.read_strategy,
+                          expert_placement=args.expert_placement,
+                          expert_map=read_expert_map(args.expert_map) if args.expert_map else None,
+                          save_sharded=args.save_sharded, report=args.report, progress=args.progress,
+                          reshard=args.reshard, checksums=args.checksums, hf_config=args.hf_config,
+                          quantize=args.quantize, dequantize=args.dequantize,
+                          verify_checksums=args.verify_checksums, check_finite=args.check_finite)
+    if args.path is not None:  # demo without a path: it makes the checkpoint
+        validate_load_options(args.path, options)
+    return options
 
 
 def cmd_load(args) -> int:
-    from .validate import validate_load_options
-
     options = load_options(args)
-    validate_load_options(args.path, options)  # the save path against the checkpoint, before the rendezvous
     from .loader import run_load  # after the checks: torch loads in seconds, a refusal needs none of it
 
     run_load(args.path, options)
@@ -137,10 +138,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    options = load_options(args)
     from .verify import parse_input_ids, verify
 
     return verify(args.path, input_ids=parse_input_ids(args.input_ids), dtype=args.dtype, tolerance=args.tolerance,
-                  logits_file=args.save_logits, options=load_options(args)).verdict.exit_code
+                  logits_file=args.save_logits, options=options).verdict.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
