@@ -32,7 +32,6 @@ def _rules(text):
 CASES = [
     Case("config-hidden-512", _config(hidden_size=512), names=("hidden_size",)),
     Case("config-layers-200000", _config(num_hidden_layers=200000), names=("num_hidden_layers",)),
-    Case("config-layers-3", _config(num_hidden_layers=3), names=("model.layers.3",)),
     Case("config-heads-16", _config(num_attention_heads=16), names=("num_attention_heads",)),
     Case("config-intermediate-1024", _config(intermediate_size=1024), names=("intermediate_size",)),
     Case("config-hidden-string", _config(hidden_size="256"), names=("hidden_size",)),
@@ -44,6 +43,7 @@ CASES = [
 
 # Further cases of the same kinds: `python -m tests.hostile --all` runs them too (kept out of the suite's time).
 EXTRA = [
+    Case("config-layers-3", _config(num_hidden_layers=3), names=("model.layers.3",)),
     Case("config-heads-7", _config(num_attention_heads=7), names=("num_attention_heads",)),
     Case("config-kv-heads-4", _config(num_key_value_heads=4), names=("num_key_value_heads",)),
     Case("config-head-dim-64", _config(head_dim=64), names=("head_dim",)),

@@ -84,7 +84,6 @@ SHARDED = [
     Case("manifest-not-json", _manifest(lambda m: '{"format": '), after=SAVED, names=(MANIFEST,)),
     Case("manifest-world-size-string", _manifest(lambda m: {**m, "world_size": "2"}), after=SAVED,
          names=("world_size",)),
-    Case("manifest-no-hf-config", _manifest(_without("hf_config")), after=SAVED, names=("hf_config",)),
     Case("manifest-params-list", _manifest(lambda m: {**m, "params": list(m["params"])}), after=SAVED,
          names=("params",)),
     Case("manifest-global-shape-string", _manifest(_first_param(lambda e: e.update(global_shape="256"))),
@@ -111,6 +110,7 @@ CASES = VALID + SHARDED + RANKS
 
 # Further cases of the same kinds: `python -m tests.hostile --all` runs them too (kept out of the suite's time).
 EXTRA = [
+    Case("manifest-no-hf-config", _manifest(_without("hf_config")), after=SAVED, names=("hf_config",)),
     Case("ok-verify-checksums-2-readers", _with_checksums("--readers", "2"), expect="ok", nproc=4),
     Case("sharded-reload-verify", _reload("--verify-checksums"), expect="ok", after=SAVED),
     Case("manifest-no-params", _manifest(_without("params")), after=SAVED, names=("params",)),
