@@ -437,10 +437,9 @@ CASES = [
     Case("ep3-world4", _ep_world, base="mixtral", nproc=4, before_group=True),
     Case("ep3-experts4", _ep_experts, base="mixtral", nproc=3),
     Case("checksums-ok", _checksums_ok, fault="", ok=True),
+    Case("checksum-mismatch", _checksum_mismatch),
     Case("nonfinite", _nonfinite, fault=""),
-    # checked while reading (integrity.py HashingReader, sharded/reload.py): one read, the bytes loaded, so
-    # these do reach the transfer
-    Case("checksum-mismatch", _checksum_mismatch, fault=""),
+    # checked while reading (sharded/reload.py), so this one does reach the transfer
     Case("sharded-save-tampered", _sharded_tampered, base="", fault="", after="checksums-ok", same_text=False),
     Case("fault-read-error", _fault_read_error, fault="read-error@rank0:read:3"),
     Case("fault-read-error-owners", _fault_read_error_owners, fault="read-error@rank1:read:2"),
