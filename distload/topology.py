@@ -68,7 +68,7 @@ class Layout:
 
     @property
     def reads_by_node(self) -> bool:
-        """Readers on more than one node: each reads the rows its own node's ranks keep (plan.py), skipping
+        """Readers on more than one node: each reads the rows its own node's ranks keep (plan/spans.py), skipping
         the rest of a tensor, so it reads exactly its ranges (no read-ahead into another node's rows)."""
         return len(self.reader_nodes) > 1
 
