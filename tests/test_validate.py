@@ -184,3 +184,14 @@ def test_expert_map_values():
     check_expert_map(((0, 1), (2, 3)))
     refused(check_expert_map, [[0, True]], names=("--expert-map", "not an expert id"))
     refused(check_expert_map, [[0, 1], [1]], names=("expert 1 is on rank 0 and rank 1",))
+
+
+def test_the_python_api_refuses_a_save_inside_the_checkpoint_before_any_rendezvous(tmp_path):
+    """distload.load checks what only the checkpoint's path tells (as the command line does), before it
+    looks for peers: no process group exists here, and the refusal names the option."""
+    import distload
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with pytest.raises(OptionError, match="--save-sharded .* is inside the checkpoint"):
+        distload.load(str(ckpt), save_sharded=str(ckpt / "saved"), progress=False)
