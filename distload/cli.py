@@ -20,8 +20,20 @@ def _readers(value: str):
         raise argparse.ArgumentTypeError(f"{value!r}: choose {READER_CHOICES}") from None
 
 
+class _ReadStrategies:
+    """checkpoint.strategy.STRATEGIES, imported when argparse first looks (--read-strategy given, or the help):
+    that package imports torch, and a refused option should not wait seconds for it on every rank."""
+
+    def __iter__(self):
+        from .checkpoint.strategy import STRATEGIES
+
+        return iter(STRATEGIES)
+
+    def __contains__(self, value) -> bool:
+        return value in tuple(self)
+
+
 def _add_load_options(p: argparse.ArgumentParser) -> None:
-    from .checkpoint.strategy import STRATEGIES
     from .options import TUNING_HELP
 
     p.epilog, p.formatter_class = TUNING_HELP, argparse.RawDescriptionHelpFormatter
@@ -37,8 +49,8 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="process-group timeout, seconds")
     p.add_argument("--staging-mib", type=int, default=None,
                    help="size of one staging buffer (one bucket), MiB (default 16); a reader holds 4")
-    p.add_argument("--read-strategy", default=None, choices=STRATEGIES,
-                   help="force a read strategy (default: chosen from the file system, free RAM, the device and "
+    p.add_argument("--read-strategy", default=None, choices=_ReadStrategies(), metavar="STRATEGY",
+                   help="force a read strategy, one of %(choices)s (default: chosen from the file system, free RAM, the device and "
                         "the CPUs per rank; the choice and its reason are logged)")
     p.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"])
     p.add_argument("--expert-map", default=None, help="EPLB JSON file: per rank, the global expert ids it hosts")
@@ -62,24 +74,30 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
 
 
 def load_options(args):
-    """The LoadOptions of the parsed command line (the one place flags become options)."""
-    from .options import LoadOptions, read_expert_map
+    """The LoadOptions of the parsed command line (the one place flags become options), every value and
+    output path checked, on every rank before any rendezvous."""
+    from .options import LoadOptions
+    from .validate import read_expert_map, validate_load_options
 
-    return LoadOptions(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
-                       device=args.device, backend=args.backend, timeout_s=args.timeout_s,
-                       staging_mib=args.staging_mib, read_strategy=args.read_strategy,
-                       expert_placement=args.expert_placement,
-                       expert_map=read_expert_map(args.expert_map) if args.expert_map else None,
-                       save_sharded=args.save_sharded, report=args.report, progress=args.progress,
-                       reshard=args.reshard, checksums=args.checksums, hf_config=args.hf_config,
-                       quantize=args.quantize, dequantize=args.dequantize, verify_checksums=args.verify_checksums,
-                       check_finite=args.check_finite)
+    options = LoadOptions(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
+                          device=args.device, backend=args.backend, timeout_s=args.timeout_s,
+                          staging_mib=args.staging_mib, read_strategy=args.read_strategy,
+                          expert_placement=args.expert_placement,
+                          expert_map=read_expert_map(args.expert_map) if args.expert_map else None,
+                          save_sharded=args.save_sharded, report=args.report, progress=args.progress,
+                          reshard=args.reshard, checksums=args.checksums, hf_config=args.hf_config,
+                          quantize=args.quantize, dequantize=args.dequantize,
+                          verify_checksums=args.verify_checksums, check_finite=args.check_finite)
+    if args.path is not None:  # demo without a path: it makes the checkpoint
+        validate_load_options(args.path, options)
+    return options
 
 
 def cmd_load(args) -> int:
-    from .loader import run_load
+    options = load_options(args)
+    from .loader import run_load  # after the checks: torch loads in seconds, a refusal needs none of it
 
-    run_load(args.path, load_options(args))
+    run_load(args.path, options)
     return 0
 
 
@@ -120,10 +138,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    options = load_options(args)
     from .verify import parse_input_ids, verify
 
     return verify(args.path, input_ids=parse_input_ids(args.input_ids), dtype=args.dtype, tolerance=args.tolerance,
-                  logits_file=args.save_logits, options=load_options(args)).verdict.exit_code
+                  logits_file=args.save_logits, options=options).verdict.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,12 +189,17 @@ def main(argv=None) -> int:
         # One write per line: ranks share the terminal, and print() writes the newline separately.
         sys.stderr.write(f"distload: error on rank {rank}: {exc}\n")
         sys.stderr.flush()
-        from .transfer import report_together
+        if _process_group_exists():
+            from .transfer import report_together
 
-        report_together()
+            report_together()
         return 1
     finally:
-        import torch.distributed as dist
+        if _process_group_exists():
+            sys.modules["torch.distributed"].destroy_process_group()
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _process_group_exists() -> bool:
+    """Is there a process group to leave (none when the failure came before torch was even imported)?"""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()

@@ -33,6 +33,7 @@ from .transfer import outcome, shared_from_rank0
 from .transfer.agreement import plan_digest, run_phase, verdict_everywhere
 from .transfer.pull import why_not_usable
 from .transfer.route import Route, choose_route, reading_ranks
+from .validate import validate_load_options
 
 log = logging.getLogger("distload")
 
@@ -107,6 +108,7 @@ def source_for(path: str, options: LoadOptions) -> Source:
 @with_earlier_objects_frozen  # a full collection over torch's objects took 100 ms of the first plan (gc_freeze.py)
 def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] | None = None) -> LoadResult:
     """Load `path` onto this rank by `options` (every rank of the job calls it); `into`: the caller's tensors."""
+    validate_load_options(str(path), options)  # the save not inside the checkpoint: before any rendezvous
     clock = PhaseClock()
     source = source_for(str(path), options)
     topo = topology.from_environment(options)

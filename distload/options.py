@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 from dataclasses import dataclass, field
 
 from .errors import DistloadError
+from .validate import check_options
 
 EARLY_FETCH_MIB = 128   # what rank 0 asks storage for while the ranks start up (checkpoint/early_fetch.py)
 
@@ -95,8 +95,10 @@ class LoadOptions:
     tuning: Tuning = field(default_factory=Tuning.from_environment)
 
     def __post_init__(self):
-        if self.expert_map is not None and not isinstance(self.expert_map, tuple):
-            object.__setattr__(self, "expert_map", tuple(tuple(int(e) for e in ids) for ids in self.expert_map))
+        # Checked where they are made, on every rank alike: a bad value is refused before any rendezvous.
+        check_options(self)
+        if self.expert_map is not None:
+            object.__setattr__(self, "expert_map", tuple(tuple(ids) for ids in self.expert_map))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LoadOptions:
@@ -128,18 +130,3 @@ def check_option_names(kwargs: dict) -> None:
         hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise DistloadError(f"unknown load option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; the options are "
                         f"{', '.join(OPTION_NAMES)}")
-
-
-def read_expert_map(path: str) -> tuple[tuple[int, ...], ...]:
-    """An EPLB JSON file: a list per rank of the global expert ids it hosts, or {"ranks": [...]}."""
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise DistloadError(f"--expert-map {path}: cannot read it ({exc}); expected JSON: per rank, the global "
-                            f"expert ids it hosts") from exc
-    ranks = data["ranks"] if isinstance(data, dict) and "ranks" in data else data
-    try:
-        return tuple(tuple(int(e) for e in ids) for ids in ranks)
-    except (TypeError, ValueError) as exc:
-        raise DistloadError(f"--expert-map {path}: expected a list per rank of expert ids ({exc})") from exc

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
 
-from .errors import DistloadError
+from .errors import DistloadError, RankFailure
 from .options import LoadOptions
 
 PLACEMENTS = ("linear", "round_robin")
@@ -67,7 +68,7 @@ class Layout:
 
     @property
     def reads_by_node(self) -> bool:
-        """Readers on more than one node: each reads the rows its own node's ranks keep (plan.py), skipping
+        """Readers on more than one node: each reads the rows its own node's ranks keep (plan/spans.py), skipping
         the rest of a tensor, so it reads exactly its ranges (no read-ahead into another node's rows)."""
         return len(self.reader_nodes) > 1
 
@@ -183,11 +184,62 @@ def init_process_group(topo: Topology) -> bool:
         return False
     if topo.device.startswith("cuda"):
         torch.cuda.set_device(topo.device)
-    kwargs = dict(backend=topo.backend, rank=topo.rank, world_size=topo.world,
-                  timeout=datetime.timedelta(seconds=topo.timeout_s))
+    timeout = datetime.timedelta(seconds=topo.timeout_s)
+    kwargs = dict(backend=topo.backend, rank=topo.rank, world_size=topo.world, timeout=timeout)
     if topo.backend == "nccl":
         kwargs["device_id"] = torch.device(topo.device)
     if "MASTER_ADDR" not in os.environ and topo.world == 1:
-        kwargs["store"] = dist.HashStore()  # a plain `python -m distload load` needs no rendezvous
-    dist.init_process_group(**kwargs)
+        # A plain `python -m distload load` needs no rendezvous.
+        dist.init_process_group(store=dist.HashStore(), **kwargs)
+        return True
+    store = rendezvous_store(topo, timeout)
+    arrived = f"distload/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # a restart's own keys
+    store.set(arrived + str(topo.rank), "1")
+    started = time.monotonic()
+    try:
+        # The prefix torch gives the store it makes itself, so the keys are the ones it would use.
+        dist.init_process_group(store=dist.PrefixStore("default_pg", store), **kwargs)
+    except dist.DistError as exc:
+        raise not_arrived(store, arrived, topo, time.monotonic() - started, exc) from None
     return True
+
+
+def rendezvous_store(topo: Topology, timeout: datetime.timedelta):
+    """The job's store (torchrun's agent store, or rank 0's), reached from MASTER_ADDR / MASTER_PORT."""
+    import torch.distributed as dist
+
+    started = time.monotonic()
+    try:
+        store, _, _ = next(dist.rendezvous("env://", topo.rank, topo.world, timeout=timeout))
+    except (dist.DistError, ValueError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise RankFailure(f"rendezvous: rank {topo.rank} could not meet the other {topo.world - 1} rank(s) at {where} "
+                          f"(gave up after {time.monotonic() - started:.0f} s: {first_line(exc)}); check that every "
+                          "rank was started (same torchrun command on every node), that MASTER_ADDR:MASTER_PORT is reachable "
+                          "from this node, and --timeout") from None
+    store.set_timeout(timeout)
+    return store
+
+
+def not_arrived(store, prefix: str, topo: Topology, waited_s: float, exc: BaseException) -> RankFailure:
+    """The rendezvous's failure, naming the ranks that never reached it (each rank marks its arrival)."""
+    try:
+        missing = [r for r in range(topo.world) if not store.check([prefix + str(r)])]
+    except Exception:  # the store went with the node hosting it: nobody left to ask
+        missing = None
+    if missing:
+        shown = ", ".join(map(str, missing[:16])) + (f" ... ({len(missing)} in all)" if len(missing) > 16 else "")
+        return RankFailure(f"rendezvous: rank{'s' if len(missing) > 1 else ''} {shown} of {topo.world} did not arrive "
+                           f"within --timeout {topo.timeout_s:g} s (rank {topo.rank} waited {waited_s:.0f} s); check "
+                           "that they started (their logs: a crash before distload ran, a node that is down or ran "
+                           "another command)",
+                           {r: "never reached the rendezvous" for r in missing})
+    whom = "every rank reached the rendezvous, but" if missing == [] else "the rendezvous store is gone, and"
+    return RankFailure(f"rendezvous: {whom} the process group could not connect the {topo.world} ranks within "
+                       f"{waited_s:.0f} s ({first_line(exc)}); check the network between the nodes "
+                       "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) and --timeout")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

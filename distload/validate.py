@@ -3,7 +3,8 @@ every rank before any process waits for another, instead of surfacing as a trace
 phase (or, for an output path, only after the whole load).
 
 Pure functions of their arguments and the file system; each raises OptionError naming the option.
-validate_load_options runs them all and returns the parsed --expert-map.
+check_options runs every check of one LoadOptions (its __post_init__ calls it, so the Python API gets the
+same checks as the command line); validate_load_options is the one that needs the checkpoint's path.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from .errors import DistloadError
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+SAVE_MANIFEST = "manifest.json"  # sharded.manifest.MANIFEST; that module imports torch, which a refusal needs not
 DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -40,8 +42,17 @@ def check_positive(option: str, value, example: str) -> None:
         raise OptionError(f"{option} {value!r}: must be a whole number of at least 1 (e.g. {option} {example})")
 
 
+def check_staging_mib(value) -> None:
+    """None (the default) or a number of MiB above 0 (a fraction of a MiB makes small buckets for tests)."""
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise OptionError(f"--staging-mib {value!r}: one staging buffer needs a size in MiB above 0 "
+                          "(e.g. --staging-mib 16, the default)")
+
+
 def check_readers(value) -> None:
-    if value in ("per-node", "owners"):
+    if value in ("per-node", "owners") or (isinstance(value, str) and value.isdigit() and int(value) >= 1):
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise OptionError(f"--readers {value!r}: choose 'per-node', 'owners' or a number of readers of at least 1")
@@ -75,6 +86,9 @@ def check_backend(backend: str | None) -> None:
                           "gloo on CPU)")
 
 
+EXPERT_MAP_SHAPE = 'a list per rank of global expert ids, e.g. [[0, 1], [2, 3]], or {"ranks": [[0, 1], [2, 3]]}'
+
+
 def read_expert_map(path: str, world: int | None = None) -> list[list[int]]:
     """--expert-map FILE: JSON, a list (one entry per rank) of lists of global expert ids, or {"ranks": that};
     each expert hosted by one rank only."""
@@ -88,26 +102,32 @@ def read_expert_map(path: str, world: int | None = None) -> list[list[int]]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise OptionError(f"--expert-map {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    shape = 'a list per rank of global expert ids, e.g. [[0, 1], [2, 3]], or {"ranks": [[0, 1], [2, 3]]}'
     if isinstance(data, dict):
         if "ranks" not in data:
-            raise OptionError(f"--expert-map {path}: a JSON object needs the key 'ranks' ({shape})")
+            raise OptionError(f"--expert-map {path}: a JSON object needs the key 'ranks' ({EXPERT_MAP_SHAPE})")
         data = data["ranks"]
-    if not isinstance(data, list) or not all(isinstance(ids, list) for ids in data) or not data:
-        raise OptionError(f"--expert-map {path}: expected {shape}")
+    check_expert_map(data, f"--expert-map {path}")
+    if world is not None and len(data) != world:
+        raise OptionError(f"--expert-map {path}: lists {len(data)} ranks, the job has {world}; one entry per rank")
+    return data
+
+
+def check_expert_map(data, source: str = "--expert-map") -> None:
+    """None, or per rank a list (or tuple) of global expert ids, each expert hosted by one rank only."""
+    if data is None:
+        return
+    if not isinstance(data, (list, tuple)) or not data or not all(isinstance(ids, (list, tuple)) for ids in data):
+        raise OptionError(f"{source}: expected {EXPERT_MAP_SHAPE}")
     seen: dict[int, int] = {}
     for rank, ids in enumerate(data):
         for e in ids:
             if not isinstance(e, int) or isinstance(e, bool) or e < 0:
-                raise OptionError(f"--expert-map {path}: rank {rank}: {e!r} is not an expert id (a whole number "
-                                  f">= 0); expected {shape}")
+                raise OptionError(f"{source}: rank {rank}: {e!r} is not an expert id (a whole number >= 0); "
+                                  f"expected {EXPERT_MAP_SHAPE}")
             if e in seen:
-                raise OptionError(f"--expert-map {path}: expert {e} is on rank {seen[e]} and rank {rank}; "
+                raise OptionError(f"{source}: expert {e} is on rank {seen[e]} and rank {rank}; "
                                   "each expert is hosted by one rank")
             seen[e] = rank
-    if world is not None and len(data) != world:
-        raise OptionError(f"--expert-map {path}: lists {len(data)} ranks, the job has {world}; one entry per rank")
-    return data
 
 
 def probe_writable(directory: Path) -> str | None:
@@ -136,16 +156,27 @@ def check_report_path(report: str | None) -> None:
 
 
 def check_save_path(out: str | None, checkpoint: str) -> None:
-    """--save-sharded OUT: not the checkpoint or inside it, not an existing file, in a writable place."""
+    """--save-sharded OUT: not the checkpoint or inside it, and a place a save can be written."""
     if out is None:
         return
     target, source = Path(out).resolve(), Path(checkpoint).resolve()
     if target == source or source in target.parents:
         raise OptionError(f"--save-sharded {out}: is inside the checkpoint {source} being loaded; save elsewhere "
                           "(the save would mix its files with the checkpoint's)")
+    check_save_target(out)
+
+
+def check_save_target(out: str | None) -> None:
+    """--save-sharded OUT: not an existing file, under a directory this process can write in."""
+    if out is None:
+        return
+    target = Path(out).resolve()
     if target.exists() and not target.is_dir():
         raise OptionError(f"--save-sharded {out}: exists and is not a directory; name a new or an existing "
                           "save directory")
+    if target.is_dir() and not (target / SAVE_MANIFEST).is_file() and any(target.iterdir()):
+        raise OptionError(f"--save-sharded {out}: the directory exists and is not a distload save (no "
+                          f"{SAVE_MANIFEST}); a save replaces its directory: choose another path, or remove it first")
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         raise OptionError(f"--save-sharded {out}: {existing} is not a directory; choose another place")
@@ -174,19 +205,23 @@ def check_hf_config(directory: str | None) -> None:
         raise OptionError(f"--hf-config {directory}: config.json holds a {type(data).__name__}, not a JSON object")
 
 
-def validate_load_options(path: str, *, timeout_s=600.0, device=None, backend=None, staging_mib=None, tp=None,
-                          ep=1, readers="per-node", expert_map_file=None, report=None, save_sharded=None,
-                          hf_config=None, world: int | None = None) -> list[list[int]] | None:
-    """Every check above, in the order of `distload load --help`; returns the parsed --expert-map (or None)."""
-    check_positive("--tp", tp, "2")
-    check_positive("--ep", ep, "2")
-    check_readers(readers)
-    check_device(device)
-    check_backend(backend)
-    check_timeout(timeout_s)
-    check_positive("--staging-mib", staging_mib, "16")
-    expert_map = read_expert_map(expert_map_file, world) if expert_map_file else None
-    check_save_path(save_sharded, path)
-    check_report_path(report)
-    check_hf_config(hf_config)
-    return expert_map
+def check_options(options) -> None:
+    """Every check of one LoadOptions (duck-typed: options.py imports this module), in the order of
+    `distload load --help`; none needs the checkpoint, so each runs where the options are made."""
+    check_positive("--tp", options.tp, "2")
+    check_positive("--ep", options.ep, "2")
+    check_readers(options.readers)
+    check_device(options.device)
+    check_backend(options.backend)
+    check_timeout(options.timeout_s)
+    check_staging_mib(options.staging_mib)
+    check_expert_map(options.expert_map)
+    check_save_target(options.save_sharded)
+    check_report_path(options.report)
+    check_hf_config(options.hf_config)
+
+
+def validate_load_options(path: str, options) -> None:
+    """What check_options (run when `options` were made) cannot know: the save is not inside the checkpoint
+    at `path`. Run before the rendezvous, so a refusal never waits for a peer."""
+    check_save_path(options.save_sharded, path)

@@ -17,55 +17,14 @@ pytestmark = pytest.mark.hostile
 
 JOBS_AT_ONCE = int(os.environ.get("HOSTILE_JOBS", "6"))  # torchrun mostly waits; CPU bounds the rest
 
-# Issue 17's open cases, by the outcome they get today: emptied as the fixes land.
+# Issue 17's open cases, by the outcome they get today: emptied as the fixes land. These four are refused
+# by the cut (plan/layouts), whose message names rule dims, not config.json keys; the full-shape check
+# (plan/expected_shapes.py) names the keys, and does so once it runs before the cuts in plan/build.py.
 KNOWN_FAILING = {
-    # today: silent-wrong
-    "down-proj-transposed": "silent-wrong",
-    "o-proj-i16-relabel": "silent-wrong",
-    "norm-300-elements": "silent-wrong",
-    "norm-zero-size": "silent-wrong",
-    "norm-bool": "silent-wrong",
-    "norm-2d": "silent-wrong",
-    "input-norm-i32-relabel": "silent-wrong",
-    "post-norm-f32-512-wide": "silent-wrong",
-    "o-proj-zero-rows": "silent-wrong",
-    "lm-head-128-wide": "silent-wrong",
-    "embed-i16-relabel": "silent-wrong",
-    "staging-mib-zero": "silent-wrong",
-    "staging-mib-negative": "silent-wrong",
-    "tp-zero": "silent-wrong",
-    "save-inside-checkpoint-dir": "silent-wrong",
-    "manifest-global-shape-string": "silent-wrong",
-    "manifest-style-unknown": "silent-wrong",
-    # today: traceback
-    "timeout-zero": "traceback",
-    "timeout-negative": "traceback",
-    "timeout-nan": "traceback",
-    "device-nonsense": "traceback",
-    "device-cuda-absent": "traceback",
-    "backend-nonsense": "traceback",
-    "expert-map-missing": "traceback",
-    "expert-map-not-json": "traceback",
-    "expert-map-strings": "traceback",
-    "expert-map-dict-no-ranks": "traceback",
-    "report-missing-dir": "traceback",
-    "report-is-a-directory": "traceback",
-    "report-unwritable": "traceback",
-    "save-unwritable": "traceback",
-    "manifest-world-size-string": "traceback",
-    "manifest-params-list": "traceback",
-    "manifest-rank-record-no-offset": "traceback",
-    "rank-lost-before-rendezvous": "traceback",
-    # today: misnamed
     "config-hidden-512": "misnamed",
     "config-heads-16": "misnamed",
     "config-intermediate-1024": "misnamed",
     "config-heads-negative": "misnamed",
-    "hf-config-nonexistent": "misnamed",
-    # today: hang
-    "config-layers-200000": "hang",
-    # today: refused
-    "index-dot-slash-and-plain": "refused",
 }
 
 

@@ -8,9 +8,10 @@ import math
 import pytest
 
 from distload.errors import DistloadError
-from distload.validate import (OptionError, check_backend, check_device, check_hf_config, check_positive,
-                               check_readers, check_report_path, check_save_path, check_timeout, read_expert_map,
-                               validate_load_options)
+from distload.options import LoadOptions
+from distload.validate import (OptionError, check_backend, check_device, check_expert_map, check_hf_config,
+                               check_positive, check_readers, check_report_path, check_save_path,
+                               check_staging_mib, check_timeout, read_expert_map, validate_load_options)
 
 
 def refused(fn, *args, names=(), **kwargs) -> str:
@@ -113,7 +114,18 @@ def test_save_path(tmp_path):
     refused(check_save_path, str(tmp_path / "file" / "out"), str(ckpt), names=("not a directory",))
     refused(check_save_path, "/proc/distload-out", str(ckpt), names=("--save-sharded", "cannot write"))
     check_save_path(str(tmp_path / "new" / "deeper"), str(ckpt))   # parents are made by the save
-    check_save_path(str(tmp_path), str(ckpt))                      # an existing directory (a previous save)
+    (tmp_path / "previous").mkdir()
+    (tmp_path / "previous" / "manifest.json").write_text("{}")
+    check_save_path(str(tmp_path / "previous"), str(ckpt))           # a previous save (the save replaces it)
+    (tmp_path / "empty").mkdir()
+    check_save_path(str(tmp_path / "empty"), str(ckpt))
+
+
+def test_save_path_refuses_a_foreign_directory_before_loading(tmp_path):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("mine")
+    refused(check_save_path, str(tmp_path / "precious"), str(tmp_path / "ckpt"),
+            names=("--save-sharded", "not a distload save", "manifest.json"))
 
 
 def test_save_path_through_a_symlink_into_the_checkpoint(tmp_path):
@@ -137,10 +149,49 @@ def test_hf_config(tmp_path):
 def test_validate_load_options_runs_every_check(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    assert validate_load_options(str(ckpt)) is None
-    assert validate_load_options(str(ckpt), expert_map_file=write(tmp_path, [[0, 1], [2, 3]]), world=2) == \
-        [[0, 1], [2, 3]]
-    refused(validate_load_options, str(ckpt), timeout_s=0, names=("--timeout",))
-    refused(validate_load_options, str(ckpt), staging_mib=0, names=("--staging-mib",))
-    refused(validate_load_options, str(ckpt), save_sharded=str(ckpt), names=("--save-sharded",))
-    refused(validate_load_options, str(ckpt), report=str(tmp_path / "x" / "r.json"), names=("--report",))
+    assert validate_load_options(str(ckpt), LoadOptions()) is None
+    options = LoadOptions(expert_map=read_expert_map(write(tmp_path, [[0, 1], [2, 3]]), 2))
+    assert options.expert_map == ((0, 1), (2, 3))
+    refused(LoadOptions, timeout_s=0, names=("--timeout",))
+    refused(LoadOptions, staging_mib=0, names=("--staging-mib",))
+    refused(validate_load_options, str(ckpt), LoadOptions(save_sharded=str(ckpt)), names=("--save-sharded",))
+    refused(LoadOptions, report=str(tmp_path / "x" / "r.json"), names=("--report",))
+
+
+@pytest.mark.parametrize("option,value", [
+    ("tp", 0), ("tp", -2), ("ep", 0), ("readers", 0), ("device", "nonsense"), ("backend", "carrier-pigeon"),
+    ("timeout_s", math.nan), ("staging_mib", -4), ("expert_map", [["a"], ["b"]]), ("hf_config", "/nonexistent"),
+    ("save_sharded", "/proc/distload-out"), ("report", "/proc/r.json"),
+])
+def test_load_options_refuse_what_the_command_line_refuses(option, value):
+    """The Python API gets the command line's checks: LoadOptions checks itself when made (and replaced)."""
+    flag = {"timeout_s": "--timeout"}.get(option, "--" + option.replace("_", "-"))
+    refused(LoadOptions, **{option: value}, names=(flag,))
+    refused(LoadOptions().replace, **{option: value}, names=(flag,))
+
+
+@pytest.mark.parametrize("value", [0, -4, math.nan, "16", True])
+def test_staging_mib_must_be_positive_mib(value):
+    refused(check_staging_mib, value, names=("--staging-mib", "above 0"))
+
+
+def test_staging_mib_ok():
+    for value in (None, 1, 16, 0.01):   # a fraction of a MiB makes small buckets (tests)
+        check_staging_mib(value)
+
+
+def test_expert_map_values():
+    check_expert_map(((0, 1), (2, 3)))
+    refused(check_expert_map, [[0, True]], names=("--expert-map", "not an expert id"))
+    refused(check_expert_map, [[0, 1], [1]], names=("expert 1 is on rank 0 and rank 1",))
+
+
+def test_the_python_api_refuses_a_save_inside_the_checkpoint_before_any_rendezvous(tmp_path):
+    """distload.load checks what only the checkpoint's path tells (as the command line does), before it
+    looks for peers: no process group exists here, and the refusal names the option."""
+    import distload
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with pytest.raises(OptionError, match="--save-sharded .* is inside the checkpoint"):
+        distload.load(str(ckpt), save_sharded=str(ckpt / "saved"), progress=False)

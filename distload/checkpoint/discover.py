@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,7 +155,15 @@ def _read_weight_map(index_path: str, index_name: str) -> dict[str, str]:
     for name, rel in weight_map.items():
         if not isinstance(rel, str):
             raise CheckpointError(f"{index_path}: weight_map[{name!r}] must be a file name, got {rel!r:.100}")
-    return weight_map
+    return {name: normalized(rel) for name, rel in weight_map.items()}
+
+
+def normalized(rel: str) -> str:
+    """One spelling per file ('./f' and 'f' are one file, read once); a path with '..', or an absolute or
+    empty one, is kept as written for resolve_inside to refuse by the name the index gave."""
+    if not rel or rel.startswith(("/", "\\")) or ".." in rel.replace("\\", "/").split("/"):
+        return rel
+    return posixpath.normpath(rel)
 
 
 def _entries_of(root: str, rel: str, fmt: str, source: str) -> dict[str, TensorEntry]:

@@ -11,6 +11,7 @@ from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
 from . import expected_shapes, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts, quant_steps
+from .bounds import check_loop_bounds
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_hosts
 from .layouts import Planned, layouts_for_target, relayout
@@ -27,6 +28,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     quantize ('fp8' | 'fp8-block'): quantize the linear weights on each rank as they land; dequantize:
     turn an FP8 checkpoint's weights into BF16 (see quant_steps.py).
     """
+    check_loop_bounds(tensors, rules, config)
     targets, tied = expand_targets(rules, config, tensors)
     # A quantized checkpoint's scales travel with their weights: targets derived from config.json.
     scheme = quant.checkpoint_scheme(config)

@@ -10,7 +10,7 @@ dims, else equal parts); `transposed` sources store it with the last two axes sw
 Dtype policy (one place, explicit): a param is floating point. `dtype = "float"` (the default) takes the
 checkpoint's weight dtype, the float dtype holding the most bytes, and no other width: distload never casts,
 so a param of another width would load as stored. `dtype = "any-float"` accepts any float width (norms or
-routers some checkpoints keep in F32). FP8 only where config.json declares a quantization (quant_plan checks
+routers some checkpoints keep in F32). FP8 only where config.json declares a quantization (plan/quant.py checks
 the scales); integer and bool dtypes are always refused.
 """
 

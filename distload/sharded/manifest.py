@@ -20,6 +20,8 @@ import torch
 from ..dtypes import SAFETENSORS_TO_TORCH
 from ..errors import CheckpointError
 from ..plan.reshard import rank_file
+from ..rules import STYLES
+from ..topology import PLACEMENTS
 
 FORMAT = "distload-sharded"
 FORMAT_VERSION = 2          # 2: per-rank byte offsets and the original checkpoint's tensors (for --reshard)
@@ -89,17 +91,105 @@ def read_manifest(path: str | os.PathLike) -> dict:
         hint = "save it again with this distload" if isinstance(version, int) and version < FORMAT_VERSION \
             else "upgrade distload to read it"
         raise CheckpointError(f"{mpath}: format_version {version!r}, this distload reads {FORMAT_VERSION}; {hint}")
-    for key in ("world_size", "tp", "ep", "params", "files", "hf_config", "config_name"):
-        if key not in manifest:
-            raise CheckpointError(f"{mpath}: missing key {key!r}; the manifest is damaged, save again")
-    world = manifest["world_size"]
-    if manifest["files"] != [rank_file(r, world) for r in range(world)]:
-        raise CheckpointError(f"{mpath}: 'files' does not list rank-00000..{world - 1:05d}-of-{world:05d}; damaged")
-    for name, entry in manifest["params"].items():
-        owner = entry.get("alias_of") or name
-        ranks = manifest["params"].get(owner, {}).get("ranks")
-        if entry.get("dtype") not in SAFETENSORS_TO_TORCH or not isinstance(ranks, list) or len(ranks) != world:
-            raise CheckpointError(f"{mpath}: param {name!r}: expected a known dtype and one record per rank "
-                                  f"({world}); the manifest is damaged, save again")
+    check_manifest(manifest, mpath)
     return manifest
 
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_shape(value) -> bool:
+    return isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
+
+
+COUNT, SHAPE = "a whole number >= 1", "a list of whole numbers >= 0"
+TOP_FIELDS = {  # key: (required, test, what it must be)
+    "world_size": (True, _is_count, COUNT),
+    "tp": (True, _is_count, COUNT),
+    "ep": (True, _is_count, COUNT),
+    "config_name": (True, lambda v: isinstance(v, str) and v != "", "the rules family's name"),
+    "hf_config": (True, lambda v: isinstance(v, dict), "the model's config.json, an object"),
+    "files": (True, lambda v: isinstance(v, list), "the list of rank files"),
+    "params": (True, lambda v: isinstance(v, dict) and v != {}, "an object: param name -> its record"),
+    "expert_placement": (False, lambda v: v in PLACEMENTS, f"one of {', '.join(PLACEMENTS)}"),
+    "source_checkpoint": (False, lambda v: isinstance(v, str), "the source checkpoint's path"),
+    "checkpoint_tensors": (False, lambda v: v is None or isinstance(v, dict), "an object: tensor name -> record"),
+}
+
+
+class _Damage:
+    """Raises naming the manifest's field, what it must be and what it holds."""
+
+    def __init__(self, mpath: Path):
+        self.mpath = mpath
+
+    def __call__(self, field: str, want: str, got=None, missing: bool = False) -> CheckpointError:
+        found = "missing" if missing else f"got {json.dumps(got)[:80]}"
+        return CheckpointError(f"{self.mpath}: {field}: expected {want}, {found}; the manifest is damaged, "
+                               "save again")
+
+    def expect(self, ok: bool, field: str, want: str, got) -> None:
+        if not ok:
+            raise self(field, want, got)
+
+
+def check_manifest(manifest: dict, mpath: Path) -> None:
+    """Every field typed and checked (what the reload and --reshard use), the error naming the field."""
+    damage = _Damage(mpath)
+    for key, (required, test, want) in TOP_FIELDS.items():
+        if key not in manifest:
+            if required:
+                raise damage(key, want, missing=True)
+            continue
+        damage.expect(test(manifest[key]), key, want, manifest[key])
+    world = manifest["world_size"]
+    for key in ("tp", "ep"):
+        damage.expect(world % manifest[key] == 0, key, f"a divisor of world_size {world}", manifest[key])
+    want = f"{rank_file(0, world)} .. {rank_file(world - 1, world)}"
+    damage.expect(len(manifest["files"]) == world, "files", want, manifest["files"])  # before a list of world names
+    damage.expect(manifest["files"] == [rank_file(r, world) for r in range(world)], "files", want, manifest["files"])
+    for name, entry in (manifest.get("checkpoint_tensors") or {}).items():
+        field = f"checkpoint_tensors[{json.dumps(name)}]"
+        damage.expect(isinstance(entry, dict), field, "an object with dtype and shape", entry)
+        damage.expect(entry.get("dtype") in SAFETENSORS_TO_TORCH, field + ".dtype", "a safetensors dtype",
+                      entry.get("dtype"))
+        damage.expect(_is_shape(entry.get("shape")), field + ".shape", SHAPE, entry.get("shape"))
+    for name, entry in manifest["params"].items():
+        check_param(damage, manifest["params"], name, entry, world)
+
+
+def check_param(damage: _Damage, params: dict, name: str, entry, world: int) -> None:
+    """One param's record: style, dtype, global shape, and an alias or one record per rank."""
+    field = f"params[{json.dumps(name)}]"
+    damage.expect(isinstance(entry, dict), field, "an object with style, dtype, global_shape", entry)
+    damage.expect(entry.get("style") in STYLES, field + ".style", f"one of {', '.join(STYLES)}", entry.get("style"))
+    damage.expect(entry.get("dtype") in SAFETENSORS_TO_TORCH, field + ".dtype",
+                  f"a safetensors dtype ({', '.join(sorted(SAFETENSORS_TO_TORCH))})", entry.get("dtype"))
+    shape = entry.get("global_shape")
+    damage.expect(_is_shape(shape), field + ".global_shape", SHAPE, shape)
+    if "alias_of" in entry:
+        to = entry["alias_of"]
+        damage.expect(isinstance(to, str) and isinstance(params.get(to), dict) and "alias_of" not in params[to],
+                      field + ".alias_of", "the name of a param that is not itself an alias", to)
+        return
+    ranks = entry.get("ranks")
+    damage.expect(isinstance(ranks, list) and len(ranks) == world, field + ".ranks",
+                  f"a list of one record per rank ({world})", ranks)
+    for r, rec in enumerate(ranks):
+        at = f"{field}.ranks[{r}]"
+        damage.expect(isinstance(rec, dict), at, "an object with local_shape and offset", rec)
+        local = rec.get("local_shape")
+        damage.expect(_is_shape(local) and len(local) == len(shape), at + ".local_shape",
+                      f"{len(shape)} whole numbers >= 0 (as global_shape)", local)
+        offset = rec.get("offset")
+        if "offset" not in rec:
+            raise damage(at + ".offset", "the byte offset in the rank file", missing=True)
+        damage.expect(isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0, at + ".offset",
+                      "the byte offset in the rank file, a whole number >= 0", offset)
+        if "sha256" in rec:
+            damage.expect(isinstance(rec["sha256"], str) and len(rec["sha256"]) == 64, at + ".sha256",
+                          "64 hex digits", rec["sha256"])
+        if "experts" in rec:
+            experts = rec["experts"]
+            damage.expect(_is_shape(experts), at + ".experts", "a list of expert ids >= 0", experts)

@@ -16,6 +16,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..dtypes import TORCH_TO_SAFETENSORS
+from ..dtypes import TORCH_TO_SAFETENSORS, itemsize
 from ..errors import CheckpointError
 from ..plan.reshard import rank_file
 from ..transfer import all_gather_objects, broadcast_object
@@ -58,16 +59,20 @@ def _write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dic
     blob += b" " * (-len(blob) % 8)
     data_start = 8 + len(blob)
     records = {}
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in order:
-            view = byte_view(tensors[name])
-            f.write(view)
-            records[name] = {"offset": data_start + header[name]["data_offsets"][0],
-                             "sha256": hashlib.sha256(view).hexdigest()}
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name in order:
+                view = byte_view(tensors[name])
+                f.write(view)
+                records[name] = {"offset": data_start + header[name]["data_offsets"][0],
+                                 "sha256": hashlib.sha256(view).hexdigest()}
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        exc.filename = exc.filename or str(path)  # a failed write() names no file: the message must
+        raise
     return records
 
 
@@ -92,7 +97,12 @@ def save_sharded(out: str | os.PathLike, rank: int, params: dict[str, torch.Tens
     world = plan.layout.world
     token = broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, src=0)
     tmp = hidden(out, "tmp", token)
-    run_phase("save-sharded (prepare)", lambda: prepare_directory(out, tmp) if rank == 0 else None)
+
+    def prepare() -> None:
+        check_free_space(out, saved_bytes(plan))
+        prepare_directory(out, tmp)
+
+    run_phase("save-sharded (prepare)", named_os_errors(out, prepare) if rank == 0 else lambda: None)
 
     def write() -> dict:
         mine = {n: t for n, t in params.items() if not specs[n].alias_of}
@@ -115,13 +125,49 @@ def save_sharded(out: str | os.PathLike, rank: int, params: dict[str, torch.Tens
         _swap_into_place(tmp, out, token)
 
     try:
-        records = all_gather_objects(run_phase("save-sharded (write)", write))
-        run_phase("save-sharded (commit)", lambda: commit(records) if rank == 0 else None)
+        records = all_gather_objects(run_phase("save-sharded (write)", named_os_errors(out, write)))
+        run_phase("save-sharded (commit)", named_os_errors(out, lambda: commit(records) if rank == 0 else None))
     finally:
         # Whatever failed, no half-written directory stays behind (after the swap, tmp holds the old save).
         if rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def saved_bytes(plan) -> int:
+    """The bytes every rank's file of the save holds (aliases are stored once)."""
+    return sum(math.prod(spec.local_shape) * itemsize(spec.dtype)
+               for specs in plan.specs for spec in specs.values() if not spec.alias_of)
+
+
+def check_free_space(out: Path, needed: int) -> None:
+    """Refuse a save that cannot fit where it goes, before a byte of it is written."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise CheckpointError(f"--save-sharded {out}: the save needs {needed / 2**30:.2f} GiB, {existing} has "
+                              f"{free / 2**30:.2f} GiB free; free space there or save elsewhere")
+
+
+_OS_ERROR_FIX = {errno.ENOSPC: "the disk is full: free space there or save elsewhere",
+                 errno.EDQUOT: "the disk quota is used up: free space or save elsewhere",
+                 errno.EROFS: "the file system is read-only: save elsewhere",
+                 errno.EFBIG: "the file is larger than this process may write (ulimit -f): raise the limit",
+                 errno.EACCES: "no permission to write there: choose a writable place",
+                 errno.EPERM: "no permission to write there: choose a writable place"}
+
+
+def named_os_errors(out: Path, fn):
+    """fn, with an OSError raised as the CheckpointError every rank prints (the file, the cause, the fix)."""
+    def run():
+        try:
+            return fn()
+        except OSError as exc:
+            fix = _OS_ERROR_FIX.get(exc.errno, "fix the cause or save elsewhere")
+            raise CheckpointError(f"--save-sharded {out}: writing {exc.filename or out} failed "
+                                  f"({exc.strerror or exc}); {fix}; an earlier save at {out}, if any, is intact"
+                                  ) from exc
+    return run
 
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2

@@ -24,4 +24,5 @@ class Case:
     after: str = ""          # id of a case whose workspace (a sharded save) this one copies from
     lost_rank: int | None = None   # this rank is lost (prints nothing; must still end nonzero), the others name it
     never_starts: bool = False     # the lost rank's process never starts distload (never reaches the rendezvous)
+    small_files_rank: int | None = None  # this rank may write no file over 1 MiB (a save that fails mid-write)
     env: tuple[tuple[str, str], ...] = ()

@@ -71,7 +71,6 @@ _KILL_PLANNING = (("DISTLOAD_FAULT", "kill@rank1:planning"),)
 VALID = [
     Case("ok-demo", _plain(), expect="ok"),
     Case("ok-verify-checksums", _with_checksums(), expect="ok"),
-    Case("ok-verify-checksums-2-readers", _with_checksums("--readers", "2"), expect="ok", nproc=4),
     Case(SAVED, lambda ckpt, ws: [str(ckpt), "--save-sharded", str(ws / "saved"), "--report", str(ws / "r.json")],
          expect="ok"),
     Case("ok-mixtral-expert-map", _mixtral_map, base="mixtral", expect="ok"),
@@ -79,19 +78,14 @@ VALID = [
 
 SHARDED = [
     Case("sharded-reload-ok", _reload(), expect="ok", after=SAVED),
-    Case("sharded-reload-verify", _reload("--verify-checksums"), expect="ok", after=SAVED),
     Case("sharded-world-mismatch", _reload(), nproc=4, after=SAVED, names=("--reshard",)),
     Case("sharded-rank-file-missing", _reload(remove="rank-00001-of-00002.safetensors"), after=SAVED,
          names=("rank-00001-of-00002.safetensors",)),
     Case("manifest-not-json", _manifest(lambda m: '{"format": '), after=SAVED, names=(MANIFEST,)),
     Case("manifest-world-size-string", _manifest(lambda m: {**m, "world_size": "2"}), after=SAVED,
          names=("world_size",)),
-    Case("manifest-no-params", _manifest(_without("params")), after=SAVED, names=("params",)),
-    Case("manifest-no-hf-config", _manifest(_without("hf_config")), after=SAVED, names=("hf_config",)),
     Case("manifest-params-list", _manifest(lambda m: {**m, "params": list(m["params"])}), after=SAVED,
          names=("params",)),
-    Case("manifest-dtype-unknown", _manifest(_first_param(lambda e: e.update(dtype="F99"))), after=SAVED,
-         names=("dtype",)),
     Case("manifest-global-shape-string", _manifest(_first_param(lambda e: e.update(global_shape="256"))),
          after=SAVED, names=("global_shape",)),
     Case("manifest-rank-record-no-offset", _manifest(_first_param(lambda e: e["ranks"][0].pop("offset", None))),
@@ -100,8 +94,15 @@ SHARDED = [
          names=("style",)),
 ]
 
+def _save_to(name):
+    return lambda ckpt, ws: [str(ckpt), "--save-sharded", str(ws / name)]
+
+
 RANKS = [
-    Case("rank-lost-before-rendezvous", _plain(), lost_rank=1, never_starts=True, names=("rank 1",)),
+    Case("save-fails-mid-write-on-rank-1", _save_to("saved"), small_files_rank=1,
+         names=("--save-sharded", "rank-00001-of-00002.safetensors")),
+    Case("rank-lost-before-rendezvous", _plain("--timeout", "5"), lost_rank=1, never_starts=True,
+         names=("rank 1", "did not arrive", "5 s")),  # its own --timeout: the wait is the case's cost
     Case("rank-killed-while-planning", _plain(), env=_KILL_PLANNING, lost_rank=1, names=("rank 1",)),
 ]
 
@@ -109,6 +110,12 @@ CASES = VALID + SHARDED + RANKS
 
 # Further cases of the same kinds: `python -m tests.hostile --all` runs them too (kept out of the suite's time).
 EXTRA = [
+    Case("manifest-no-hf-config", _manifest(_without("hf_config")), after=SAVED, names=("hf_config",)),
+    Case("ok-verify-checksums-2-readers", _with_checksums("--readers", "2"), expect="ok", nproc=4),
+    Case("sharded-reload-verify", _reload("--verify-checksums"), expect="ok", after=SAVED),
+    Case("manifest-no-params", _manifest(_without("params")), after=SAVED, names=("params",)),
+    Case("manifest-dtype-unknown", _manifest(_first_param(lambda e: e.update(dtype="F99"))), after=SAVED,
+         names=("dtype",)),
     Case("ok-demo-4-ranks", _plain(), expect="ok", nproc=4),
     Case("ok-staging-1-mib", _plain("--staging-mib", "1"), expect="ok"),
     Case("manifest-array", _manifest(lambda m: [m]), after=SAVED, names=(MANIFEST,)),

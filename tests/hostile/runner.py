@@ -3,7 +3,8 @@
 Each rank runs under a two-line shell wrapper that only records the rank's own output and exit code
 (torchrun reports the exit code of the first rank to fail, and SIGTERMs the rest; ignoring TERM in the
 wrapper lets every rank end by itself, which is what distload promises). A rank lost before the
-rendezvous is a process that never starts distload and waits until torchrun ends it. torchrun's own output, with its
+rendezvous is a process that never starts distload and waits until torchrun ends it; a rank with small
+files may write none over 1 MiB (`ulimit -f`: a write past it fails with EFBIG, as on a full disk). torchrun's own output, with its
 own traceback for a failed job, is kept apart from the ranks'.
 """
 
@@ -31,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 WRAPPER = """trap '' TERM
 log="$HOSTILE_WS/rank$RANK"
 if [ "$RANK" = "$HOSTILE_NEVER_STARTS" ]; then trap - TERM; exec sleep 600; fi
+if [ "$RANK" = "$HOSTILE_SMALL_FILES_RANK" ]; then ulimit -f 1024; fi
 "$HOSTILE_PY" -m distload load "$@" > "$log.out" 2>&1
 rc=$?
 echo $rc > "$log.rc"
@@ -58,6 +60,8 @@ def job_env(case: Case, ws: Path) -> dict:
                HOSTILE_PY=sys.executable, PYTHONPATH=str(REPO), **dict(case.env))
     if case.lost_rank is not None and case.never_starts:
         env["HOSTILE_NEVER_STARTS"] = str(case.lost_rank)
+    if case.small_files_rank is not None:
+        env["HOSTILE_SMALL_FILES_RANK"] = str(case.small_files_rank)
     return env
 
 
