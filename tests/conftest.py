@@ -14,10 +14,12 @@ PURE_MODULES = (
     "test_checkpoint",
     "test_host_memory",
     "test_kernels",
+    "test_kernels_4bit",
     "test_names",
     "test_rules",
     "test_shard",
     "test_structure",
+    "test_validate",
 )
 
 

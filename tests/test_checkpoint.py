@@ -673,11 +673,14 @@ def test_threaded_cold_copies_cached_pages_inline_and_reads_the_rest_in_threads(
         os.close(fd)
 
     head = 6 << 20
-    cache_only_the_head(head)
-    with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
-        probe = memoryview(bytearray(len(data)))
-        cached = reader._read_cached("f", reader.fd_of("f"), 0, probe)
-        assert 0.9 * head <= cached < len(data) and bytes(probe[:cached]) == data[:cached]
+    for _ in range(3):  # the kernel may still read ahead past the head on a busy machine: try again
+        cache_only_the_head(head)
+        with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
+            probe = memoryview(bytearray(len(data)))
+            cached = reader._read_cached("f", reader.fd_of("f"), 0, probe)
+        if cached < len(data):
+            break
+    assert 0.9 * head <= cached < len(data) and bytes(probe[:cached]) == data[:cached]
     time.sleep(0.3)  # a miss under RWF_NOWAIT may still start read-ahead: let it land before evicting again
     cache_only_the_head(head)
     with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
