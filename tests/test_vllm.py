@@ -26,6 +26,7 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 PROMPT = [1, 17, 42, 99, 7, 3, 150, 64]
 STEPS = 16
+SIZES = dict(hidden_size=128, head_dim=32)  # vLLM's CPU attention takes head_dim 32 and up
 PROBE_ENV = "DISTLOAD_VLLM_PROBE"
 
 
@@ -71,7 +72,7 @@ def serve_once(ckpt: str, load_format: str, ep: bool, generate: bool, out: str, 
     """Script mode: one vLLM instance at tp 2; writes the workers' snapshots, tokens and timings to `out`."""
     from vllm import LLM, SamplingParams
 
-    extra = {"report": report} if report and load_format == "distload" else None
+    extra = {"report": report} if report and load_format == "distload" else {}
     start = time.perf_counter()
     llm = LLM(ckpt, tensor_parallel_size=2, dtype="bfloat16", enforce_eager=True, max_model_len=128,
               distributed_executor_backend="mp", skip_tokenizer_init=True, enable_expert_parallel=ep,
@@ -121,7 +122,7 @@ def checkpoints(tmp_path_factory):
     from hf_models import save_checkpoint
 
     root = tmp_path_factory.mktemp("vllm_ckpts")
-    return lambda family: save_checkpoint(family, root / family, dtype=torch.bfloat16)
+    return lambda family: save_checkpoint(family, root / family, dtype=torch.bfloat16, **SIZES)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
