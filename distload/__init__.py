@@ -8,35 +8,39 @@ once. The whole public API:
     distload.load_into(module, path, tp=4)        # fill a (meta-device or preallocated) module in place
     distload.inspect(path, tp=4)                  # no processes: what each rank will get
     distload.refit(result, state_dict, src=0)     # live weight update from one rank, each rank its shards
+
+The package face imports lazily: `import distload.names` or `import distload.plan` loads neither
+torch.distributed nor the transfer engine; the loader comes with the first call that needs it.
 """
 
 from __future__ import annotations
 
-import torch
-
-# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when first imported:
-# imported after a process group exists (transformers' model construction does, in `verify`), it holds
-# the group forever, destroy_process_group cannot free it, and gloo's worker threads outlive the
-# interpreter - a worker finishing its last op during interpreter shutdown aborts the process
-# ("terminate called without an active exception", SIGABRT after a successful run). Imported with
-# distload, before distload or its caller creates a group, its defaults are None.
-import torch.distributed.nn.functional  # noqa: F401
+import importlib
 
 from .errors import CheckpointError, DistloadError, PlanError, RankFailure, RuleError
-from .loader import LoadResult, run_load
-from .refit import Refit, RefitFailed, refit
 
-__all__ = ["load", "load_into", "inspect", "refit", "LoadResult", "Refit", "RefitFailed", "DistloadError",
-           "CheckpointError", "RuleError", "PlanError", "RankFailure"]
+__all__ = ["load", "load_into", "inspect", "refit", "LoadResult", "LoadOptions", "Refit", "RefitFailed",
+           "DistloadError", "CheckpointError", "RuleError", "PlanError", "RankFailure"]
 __version__ = "0.1.0"
 
+_LAZY = {"LoadResult": "loader", "run_load": "loader", "LoadOptions": "options", "Refit": "refit",
+         "RefitFailed": "refit"}
 
-def load(path, tp: int | None = None, ep: int = 1, quantize: str | None = None, dequantize: bool = False,
-         **options) -> LoadResult:
-    """Load `path` onto this rank (call it on every rank of the job). Options as `distload load --help`:
-    readers, config, strict, device, backend, timeout_s, staging_mib, read_strategy, expert_placement,
-    expert_map, save_sharded, report, progress, reshard, checksums, hf_config,
-    verify_checksums (sha256 of each weight file against CKPT/checksums), check_finite (NaN/Inf scan).
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'distload' has no attribute {name!r}")
+
+
+def load(path, *, tp: int | None = None, ep: int = 1, readers: str | int = "per-node", config: str | None = None,
+         strict: bool = True, device: str | None = None, backend: str | None = None, timeout_s: float = 600.0,
+         staging_mib: float | None = None, read_strategy: str | None = None, expert_placement: str = "linear",
+         expert_map=None, save_sharded: str | None = None, report: str | None = None, progress: bool = True,
+         reshard: bool = False, checksums: bool = True, hf_config: str | None = None, quantize: str | None = None,
+         dequantize: bool = False, verify_checksums: bool = False, check_finite: bool = False, **misspelt):
+    """Load `path` onto this rank (call it on every rank of the job). Options as `distload load --help`
+    (options.LoadOptions); a misspelt one is refused by name.
 
     `path` may also be a --save-sharded directory (each rank reads its own file; another topology needs
     reshard=True) or a torch.distributed.checkpoint directory (hf_config=DIR with the model's config.json).
@@ -44,28 +48,64 @@ def load(path, tp: int | None = None, ep: int = 1, quantize: str | None = None, 
     quantize="fp8" | "fp8-block": quantize a BF16/FP16 checkpoint's linear weights on each rank as they
     land (params `X.weight` fp8 + `X.weight_scale` / `X.weight_scale_inv`); dequantize=True: an FP8
     checkpoint's weights as BF16. FP8 checkpoints (config.json quantization_config) load as FP8 by default.
+    verify_checksums: sha256 of each weight file against CKPT/checksums; check_finite: a NaN/Inf scan.
     """
-    return run_load(str(path), tp=tp, ep=ep, quantize=quantize, dequantize=dequantize, **options)
+    options = dict(locals())
+    del options["path"], options["misspelt"]
+    return _run(path, {**options, **misspelt})
 
 
-def load_into(module: torch.nn.Module, path, tp: int | None = None, ep: int = 1, device=None, **options) -> LoadResult:
+def load_into(module, path, *, tp: int | None = None, ep: int = 1, device=None, readers: str | int = "per-node",
+              config: str | None = None, strict: bool = True, backend: str | None = None, timeout_s: float = 600.0,
+              staging_mib: float | None = None, read_strategy: str | None = None, expert_placement: str = "linear",
+              expert_map=None, save_sharded: str | None = None, report: str | None = None, progress: bool = True,
+              reshard: bool = False, checksums: bool = True, hf_config: str | None = None,
+              quantize: str | None = None, dequantize: bool = False, verify_checksums: bool = False,
+              check_finite: bool = False, **misspelt):
     """Fill `module`'s params in place by the same plan; a module on the meta device is materialised first.
 
     The module's param names must be the serving names (`...qkv_proj.weight`, ...) and their shapes this
-    rank's shard shapes; tied params may share one tensor.
+    rank's shard shapes; tied params may share one tensor. Options as `load`.
     """
+    import torch
+
+    options = dict(locals())
+    del options["module"], options["path"], options["misspelt"], options["torch"]
+    from .options import check_option_names
+
+    check_option_names(misspelt)  # before the module is touched
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    options["device"] = str(device)
     if any(p.is_meta for p in module.parameters()):
         _materialise_keeping_ties(module, device)
     # One destination tensor per Parameter object, so tied params stay one tensor (`.data` makes a new
     # tensor object on every access; writing through it needs no autograd bookkeeping).
-    data_of: dict[int, torch.Tensor] = {}
+    data_of: dict[int, object] = {}
     params = {name: data_of.setdefault(id(p), p.data) for name, p in module.named_parameters(remove_duplicate=False)}
-    return run_load(str(path), tp=tp, ep=ep, device=str(device), into=params, **options)
+    return _run(path, options, into=params)
 
 
-def _materialise_keeping_ties(module: torch.nn.Module, device) -> None:
+def refit(target, named_tensors=None, **options):
+    """Live weight update (distload.refit.refit: its arguments)."""
+    from .refit import refit as refit_now
+
+    # Importing a submodule binds it as the package's attribute: `distload.refit` is this function again.
+    globals()["refit"] = _refit
+    return refit_now(target, named_tensors, **options)
+
+
+_refit = refit
+
+
+def _run(path, options: dict, into=None):
+    from .loader import run_load
+    from .options import LoadOptions
+
+    return run_load(str(path), LoadOptions.from_kwargs(**options), into=into)
+
+
+def _materialise_keeping_ties(module, device) -> None:
     """module.to_empty(), then re-tie params that were one Parameter (to_empty unties them)."""
     first_name: dict[int, str] = {}
     ties = []
@@ -80,8 +120,12 @@ def _materialise_keeping_ties(module: torch.nn.Module, device) -> None:
         setattr(module.get_submodule(owner), leaf, module.get_parameter(target))
 
 
-def inspect(path, tp: int | None = None, ep: int = 1, world: int | None = None, **options):
-    """Plan a load without processes: per rank, params and bytes (see distload.inspect_cmd)."""
-    from .inspect_cmd import inspect_plan
+def inspect(path, *, tp: int | None = None, ep: int = 1, world: int | None = None, local_world: int | None = None,
+            **options):
+    """Plan a load without processes: the LoadPlan (per rank, params and bytes; see distload.inspect_cmd).
+    Options as `load`; a misspelt one is refused by name."""
+    from .inspect_cmd import inspect_load
+    from .options import LoadOptions
 
-    return inspect_plan(str(path), tp=tp, ep=ep, world=world, **options)
+    return inspect_load(str(path), LoadOptions.from_kwargs(tp=tp, ep=ep, **options), world=world,
+                        local_world=local_world).plan

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -22,8 +21,10 @@ def _readers(value: str):
 
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
-    from .checkpoint.reader import STRATEGIES
+    from .checkpoint.strategy import STRATEGIES
+    from .options import TUNING_HELP
 
+    p.epilog, p.formatter_class = TUNING_HELP, argparse.RawDescriptionHelpFormatter
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides the world size)")
     p.add_argument("--readers", type=_readers, default="per-node",
@@ -60,46 +61,44 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
                    help="directory with the model's config.json (required for a torch.distributed.checkpoint dir)")
 
 
-def _load_kwargs(args) -> dict:
-    expert_map = None
-    if args.expert_map:
-        with open(args.expert_map) as fh:
-            data = json.load(fh)
-        expert_map = data["ranks"] if isinstance(data, dict) else data
-    return dict(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
-                device=args.device, backend=args.backend, timeout_s=args.timeout_s, staging_mib=args.staging_mib,
-                read_strategy=args.read_strategy, expert_placement=args.expert_placement, expert_map=expert_map,
-                save_sharded=args.save_sharded, report=args.report, progress=args.progress, reshard=args.reshard,
-                checksums=args.checksums, hf_config=args.hf_config, quantize=args.quantize,
-                dequantize=args.dequantize, verify_checksums=args.verify_checksums, check_finite=args.check_finite)
+def load_options(args):
+    """The LoadOptions of the parsed command line (the one place flags become options)."""
+    from .options import LoadOptions, read_expert_map
+
+    return LoadOptions(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
+                       device=args.device, backend=args.backend, timeout_s=args.timeout_s,
+                       staging_mib=args.staging_mib, read_strategy=args.read_strategy,
+                       expert_placement=args.expert_placement,
+                       expert_map=read_expert_map(args.expert_map) if args.expert_map else None,
+                       save_sharded=args.save_sharded, report=args.report, progress=args.progress,
+                       reshard=args.reshard, checksums=args.checksums, hf_config=args.hf_config,
+                       quantize=args.quantize, dequantize=args.dequantize, verify_checksums=args.verify_checksums,
+                       check_finite=args.check_finite)
 
 
 def cmd_load(args) -> int:
     from .loader import run_load
 
-    run_load(args.path, **_load_kwargs(args))
+    run_load(args.path, load_options(args))
     return 0
 
 
 def cmd_inspect(args) -> int:
-    from .inspect_cmd import describe_plan, inspect_plan
+    from .inspect_cmd import describe_plan, inspect_load
 
-    plan = inspect_plan(args.path, tp=args.tp, ep=args.ep, world=args.world, readers=args.readers,
-                        local_world=args.local_world, config=args.config, strict=args.strict,
-                        staging_mib=args.staging_mib, expert_placement=args.expert_placement,
-                        expert_map=_load_kwargs(args)["expert_map"], quantize=args.quantize,
-                        dequantize=args.dequantize)
-    print(describe_plan(plan))
+    inspection = inspect_load(args.path, load_options(args), world=args.world, local_world=args.local_world)
+    print(describe_plan(inspection.plan, inspection.route))
     return 0
 
 
 def cmd_demo(args) -> int:
-    from .loader import run_load
     from . import topology
     from .demo import make_demo_checkpoint
-    from .transfer import broadcast_object
+    from .loader import run_load
+    from .transfer import barrier, broadcast_object
 
-    topo = topology.from_environment(tp=args.tp, device=args.device, backend=args.backend)
+    options = load_options(args)
+    topo = topology.from_environment(options)
     topology.init_process_group(topo)
     path = args.path
     if path is None:
@@ -108,11 +107,8 @@ def cmd_demo(args) -> int:
     if topo.rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         make_demo_checkpoint(path)
         print(f"distload demo: wrote a Llama-shaped bf16 checkpoint (3 safetensors files) to {path}", flush=True)
-    from .transfer import barrier
-
     barrier()
-    kwargs = _load_kwargs(args)
-    result = run_load(path, **kwargs)
+    result = run_load(path, options)
     if result.rank == 0:
         for r in result.report["per_rank"]:
             print(f"  rank {r['rank']}: read {r['bytes_read']:>10,} B from storage ({r['files_opened']} files), "
@@ -124,9 +120,10 @@ def cmd_demo(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .verify import run_verify
+    from .verify import parse_input_ids, verify
 
-    return run_verify(args)
+    return verify(args.path, input_ids=parse_input_ids(args.input_ids), dtype=args.dtype, tolerance=args.tolerance,
+                  logits_file=args.save_logits, options=load_options(args)).verdict.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:

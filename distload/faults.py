@@ -11,7 +11,7 @@ fire on rank R (default: any rank) at the N-th time (default 1) this process pas
             transfer    each bucket of the transfer loop, before the rank posts its part of it
             local-record  a rank's own reconciliation record, before the all-gather that shares it
             <phase>     the agreement step that ends a phase: discover, planning, allocate, transfer,
-                        reconcile, save-sharded (write), ... (see loader.py and handoff.py)
+                        reconcile, save-sharded (write), ... (see loader.py and sharded/save.py)
 
 e.g. `read-error@rank0:read:3`, `raise@rank1:transfer:2`, `kill@rank1:save-sharded (write)`.
 """
@@ -29,7 +29,7 @@ _passes: dict[str, int] = {}
 
 
 @functools.lru_cache(maxsize=4)
-def _parse(spec: str) -> tuple[str, int | None, str, int]:
+def parse_spec(spec: str) -> tuple[str, int | None, str, int]:
     action, _, where = spec.partition("@")
     rank = None
     if where.startswith("rank") and ":" in where:
@@ -49,7 +49,7 @@ def hit(point: str) -> None:
     spec = os.environ.get("DISTLOAD_FAULT")
     if not spec:
         return
-    action, rank, want, count = _parse(spec)
+    action, rank, want, count = parse_spec(spec)
     me = int(os.environ.get("RANK", "0"))
     if want != point or (rank is not None and rank != me):
         return

@@ -1,10 +1,10 @@
 """Keep the cyclic garbage collector off the objects that existed before a load, for the load's duration.
 
-A full collection walks every object the collector tracks. Right after `import torch` that is ~170k objects
-and 80-100 ms of CPU on this VM, and the first full collection comes when the load's first few hundred
-allocations overflow the young generations: in a fresh torchrun process, inside the first plan (build_plan
-took 100 ms instead of 10 ms; on 4 ranks sharing 2 cores the load then waited ~180 ms in planning). In a
-process that loads again (refit, the benchmark) full collections keep landing in loads now and then.
+A full collection walks every object the collector tracks, and right after `import torch` those are the
+hundreds of thousands of objects torch made. In a fresh torchrun process the first full collection comes when
+the load's first few hundred allocations overflow the young generations, that is inside the first plan, and
+every rank waits for the slowest one's plan; in a process that loads again (refit, the benchmark) full
+collections keep landing in loads now and then. BENCHMARKS.md has the measured cost.
 
 `gc.freeze()` moves the objects that exist when a load starts into the permanent generation, so collections
 during the load look only at what the load allocates; `gc.unfreeze()` hands them back when it ends, as they

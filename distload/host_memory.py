@@ -11,7 +11,7 @@ whole process), so distload maps its own large buffers and asks for them.
 Each big tensor is its own anonymous mapping (its own storage, freed when the tensor is): tensors never
 share a storage, which safetensors' save_file and torch.save rely on.
 
-Opt-in (DISTLOAD_HUGEPAGES=1), because on the machine we measure on, a VM, huge pages made loads both
+Opt-in (DISTLOAD_HUGEPAGES=1, read once into options.Tuning), because on the machine we measure on, a VM, huge pages made loads both
 faster and slower: a warm 4-rank load of 1 GiB went from 0.61 s to 0.44-0.50 s in some runs and to 0.81 s
 in others, and cold loads took 0.65-2.5 s instead of 0.75-0.9 s (`scripts/bench.py --loaders
 distload,distload-thp,every-rank-reads`). The fault cost of a 2 MiB page there depends on the state of the
@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import os
 
 import torch
 
@@ -59,17 +58,11 @@ def populate(region: torch.Tensor) -> bool:
     return _libc.madvise(start, region.data_ptr() + span - start, _MADV_POPULATE_WRITE) == 0
 
 
-def _wanted() -> bool:
-    return os.environ.get("DISTLOAD_HUGEPAGES", "0") == "1" and os.path.exists("/sys/kernel/mm/transparent_hugepage")
-
-
-def empty(shape, dtype: torch.dtype, device: torch.device | str = "cpu", huge: bool | None = None) -> torch.Tensor:
-    """torch.empty(shape, dtype, device); a large CPU tensor in huge-page-backed memory if `huge` (default:
-    DISTLOAD_HUGEPAGES=1)."""
+def empty(shape, dtype: torch.dtype, device: torch.device | str = "cpu", huge: bool = False) -> torch.Tensor:
+    """torch.empty(shape, dtype, device); a large CPU tensor in huge-page-backed memory if `huge` (the
+    caller passes Tuning.hugepages: DISTLOAD_HUGEPAGES=1) and the kernel has transparent huge pages."""
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
-    if huge is None:
-        huge = _wanted()
     if device.type != "cpu" or nbytes < MIN_BYTES or not huge or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype, device=device)
     # Huge pages need 2 MiB-aligned addresses: map one page more and start at the first aligned byte.

@@ -2,30 +2,36 @@
 
 from __future__ import annotations
 
-from .checkpoint import discover
-from .plan import DEFAULT_STAGING_BYTES, LoadPlan, build_plan
-from .rules import rules_for
-from .topology import Layout, owner_reads, reader_ranks
+from dataclasses import dataclass
+
+from .loader import decide_route, source_for
+from .options import LoadOptions
+from .plan import LoadPlan
+from .topology import layout_for
+from .transfer.route import Route
 
 
-def inspect_plan(path: str, tp: int | None = None, ep: int = 1, world: int | None = None, readers="per-node",
-                 local_world: int | None = None, config: str | None = None, strict: bool = True,
-                 staging_mib: int | None = None, expert_placement: str = "linear", expert_map=None,
-                 quantize: str | None = None, dequantize: bool = False) -> LoadPlan:
-    world = world or tp or 1
-    index = discover(path)
-    layout = Layout(world=world, tp=tp or world, ep=ep, readers=reader_ranks(world, local_world or world, readers),
-                    local_world=local_world or world, expert_placement=expert_placement,
-                    owner_reads=owner_reads(world, readers),
-                    expert_map=tuple(tuple(x) for x in expert_map) if expert_map is not None else None)
-    rules = rules_for(index.config, config)
-    return build_plan(index.tensors, index.config, rules, layout, strict=strict,
-                      staging_bytes=(staging_mib << 20) if staging_mib else DEFAULT_STAGING_BYTES,
-                      quantize=quantize, dequantize=dequantize)
+@dataclass(frozen=True)
+class Inspection:
+    plan: LoadPlan
+    route: Route
 
 
-def describe_plan(plan: LoadPlan) -> str:
-    """A human table: per rank, params held, bytes kept, bytes read, bytes received, experts hosted (global ids,
+def inspect_load(path: str, options: LoadOptions, world: int | None = None,
+                 local_world: int | None = None) -> Inspection:
+    """The plan and route of a load of `path` by `options` on `world` ranks (default tp), `local_world` per
+    node (default all on one node), by the same source and route decision as the load."""
+    world = world or options.tp or 1
+    layout = layout_for(world, local_world or world, options)
+    source = source_for(path, options)
+    found = source.discover()
+    plan = source.plan(found, layout)
+    route, _ = decide_route(source, found, plan, options.device or "cpu", 0, options)
+    return Inspection(plan, route)
+
+
+def describe_plan(plan: LoadPlan, route: Route) -> str:
+    """The route with its reason, then a human table: per rank, params held, bytes kept, bytes read, bytes received, experts hosted (global ids,
     the same in every MoE layer) and the bytes of expert params among those kept."""
     layout = plan.layout
     lines = [f"family {plan.family}: world {layout.world}, tp {layout.tp}, ep {layout.ep}, readers {list(layout.readers)}",
@@ -34,12 +40,7 @@ def describe_plan(plan: LoadPlan) -> str:
         lines.append(f"ignored by rule: {len(plan.ignored)} tensor(s)")
     if plan.quantization:
         lines.append(f"quantization: {plan.quantization}; 'keeps bytes' are the params after post-load steps")
-    owners = layout.owner_reads and not any(plan.post)
-    if owners and layout.world > 1:
-        lines.append("owner reads (--readers owners): each rank copies its own pieces from the files; nothing is sent")
-    elif layout.world > 1 and layout.one_node and not any(plan.post):
-        lines.append("one node: with params in host memory each rank copies what it 'receives' straight from the "
-                     "files its reader opened (node pulls; DISTLOAD_PULL=0: through the reader's shared staging)")
+    lines.append(route.describe())
     if not layout.one_node:
         crossing = sum(plan.bytes_from_other_nodes(r) for r in range(layout.world))
         how = "each node's reader reads the rows its own ranks keep; " if layout.reads_by_node else ""
@@ -51,7 +52,7 @@ def describe_plan(plan: LoadPlan) -> str:
     for r in range(layout.world):
         specs = plan.specs[r]
         keeps = sum(s.nbytes for s in specs.values() if not s.alias_of)
-        if owners:
+        if route.kind == "owner-reads":
             reads, receives = plan.owned_bytes(r), 0
         else:
             reads = sum(b.read_bytes for b in plan.buckets if b.reader == r)

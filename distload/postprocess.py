@@ -1,6 +1,6 @@
 """Post-load steps on each rank (DESIGN §2 step 6): what the transfer delivered -> what serving kernels want.
 
-The plan gives each rank a list of steps (quant_plan.Step, data); this module runs them with
+The plan gives each rank a list of steps (plan.quant_steps.Step, data); this module runs them with
 distload.kernels (Triton on CUDA, the torch references on CPU):
 
     requantize        fused fp8 weight, one scale per part -> the same weight (in place), one scale
@@ -32,7 +32,7 @@ import torch
 from . import host_memory, kernels
 from .dtypes import torch_dtype
 from .reconcile import coverage
-from .shard import view2d
+from .plan.shard import view2d
 
 
 def _matrices(t: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,8 @@ class Staging(dict):
 class PostProcess:
     """Runs one rank's post-load steps as their inputs arrive; see the module docstring."""
 
-    def __init__(self, plan, rank: int, device):
+    def __init__(self, plan, rank: int, device, huge: bool = False):
+        self.huge = huge  # staged params in huge-page host memory (options.Tuning.hugepages)
         self.staging, self.final = plan.staging_specs(rank), plan.specs[rank]
         self.steps = plan.post[rank]
         self.device = torch.device(device)
@@ -165,7 +166,7 @@ class PostProcess:
             if into is not None:
                 params[name] = into[name]
             else:
-                params[name] = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), self.device)
+                params[name] = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), self.device, huge=self.huge)
         for name, spec in self.staging.items():
             if spec.alias_of:
                 params[name] = params[spec.alias_of]
@@ -182,7 +183,7 @@ class PostProcess:
                 raise RuntimeError(f"{name}: bytes arrived after its post-load step ran; the plan and the "
                                    f"transfer disagree (a bug: please report it)")
             spec = self.staging[name]
-            t = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), self.device)
+            t = host_memory.empty(spec.local_shape, torch_dtype(spec.dtype), self.device, huge=self.huge)
             dict.__setitem__(self.params, name, t)
             self.live_bytes += t.nbytes
             self.input_bytes += t.nbytes

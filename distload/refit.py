@@ -30,15 +30,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import names
+from . import names, topology
+from .checkpoint.discover import read_config
 from .checkpoint.header import TensorEntry
+from .delivery import transfer_phase
 from .dtypes import TORCH_TO_SAFETENSORS, itemsize, torch_dtype
 from .errors import DistloadError, PlanError, RankFailure
+from .loader import LoadResult
+from .options import LoadOptions
 from .plan import DEFAULT_STAGING_BYTES, build_plan
 from .postprocess import PostProcess
 from .reconcile import reconcile
 from .rules import rules_for
-from .transfer import Transfer, agree, all_gather_objects, broadcast_object, zero_padding
+from .transfer import all_gather_objects, broadcast_object
+from .transfer.agreement import run_phase
 
 
 class RefitFailed(DistloadError):
@@ -57,6 +62,8 @@ class MemoryReader:
 
     Only the tensor being read is kept as a byte view (a non-contiguous tensor is copied once, one at a time).
     """
+
+    strategy = None  # no storage: checkpoint.Reader's strategy where none applies
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
@@ -81,20 +88,11 @@ class MemoryReader:
 
 
 def _phase(name: str, fn):
-    result, error = None, None
-    try:
-        result = fn()
-    except Exception as exc:  # every rank reaches the agreement step
-        error = exc
-    agree(f"refit ({name})", error)
-    return result
+    return run_phase(f"refit ({name})", fn)
 
 
 def _destination(target, config, tp: int | None, ep: int, rules_path: str | None):
     """(params, current specs or None, layout, config, rules, current version) for a LoadResult, module or dict."""
-    from . import topology
-    from .loader import LoadResult
-
     if isinstance(target, LoadResult):
         rules = rules_for(target.config, rules_path)
         if rules.name != target.plan.family:
@@ -105,15 +103,13 @@ def _destination(target, config, tp: int | None, ep: int, rules_path: str | None
         raise DistloadError("refit into a module or a dict of params needs config= (the model's config.json as a "
                             "dict, or the directory holding it); a LoadResult carries its own")
     if not isinstance(config, dict):
-        from .checkpoint.discover import _read_config
-
-        config = _read_config(str(config))
+        config = read_config(str(config))
     if isinstance(target, torch.nn.Module):
         data_of: dict[int, torch.Tensor] = {}
         params = {n: data_of.setdefault(id(p), p.data) for n, p in target.named_parameters(remove_duplicate=False)}
     else:
         params = dict(target)
-    layout = topology.from_environment(tp=tp, ep=ep).layout
+    layout = topology.from_environment(LoadOptions(tp=tp, ep=ep)).layout
     return params, None, layout, config, rules_for(config, rules_path), 0
 
 
@@ -167,8 +163,6 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
         if group is not dist.group.WORLD:
             raise DistloadError("refit over a process sub-group is not supported yet (the transfer uses the default "
                                 "group): make the serving ranks and the source one job, and pass group=None")
-    from .loader import LoadResult
-
     start = time.perf_counter()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tensors = dict(named_tensors or {}) if rank == src else {}  # an iterator of pairs is consumed once, here
@@ -176,20 +170,7 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
         "target", lambda: _destination(target, config, tp, ep, rules))
     if not 0 <= src < layout.world:
         raise DistloadError(f"refit: src={src} is not a rank of this job (world {layout.world})")
-
-    def announce():
-        payload = None
-        if rank == src:
-            try:
-                payload = ("ok", version, _metadata(tensors))
-            except Exception as exc:
-                payload = ("error", exc, None)
-        kind, new_version, meta = broadcast_object(payload, src=src)
-        if kind == "error":
-            raise new_version
-        return new_version, meta
-
-    new_version, meta = _phase("metadata", announce)
+    new_version, meta = _phase("metadata", lambda: _announce(rank, src, version, tensors))
     versions = all_gather_objects(current_version)
     if len(set(versions)) > 1:
         raise RankFailure(f"refit refused: ranks are at different versions {versions} (one missed an update); "
@@ -200,19 +181,9 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
     def make_plan():
         if new_version <= current_version:
             raise DistloadError(f"refit version {new_version} is not newer than the current version {current_version}")
-        index = {n: TensorEntry(n, n, dtype, shape, 0, math.prod(shape) * itemsize(dtype))
-                 for n, (dtype, shape) in meta.items()}
         staging = (staging_mib << 20) if staging_mib else DEFAULT_STAGING_BYTES
-        plan = build_plan(index, hf_config, family, replace(layout, readers=(src,), owner_reads=False), strict=False,
-                          staging_bytes=staging, quantize=quantize, dequantize=dequantize)
-        if plan.unexpected:
-            raise PlanError(f"refit refused before any byte moved: the rules ({family.source}) place no param for "
-                            f"{names.describe(plan.unexpected)}; send checkpoint (Hugging Face) names")
-        if plan.missing and not partial:
-            raise PlanError(f"refit refused before any byte moved: the update lacks {len(plan.missing)} tensor(s) "
-                            f"{names.describe(plan.missing)}; send them all, or pass partial=True to update only the "
-                            f"params whose tensors are all present")
-        plan = replace(plan, missing=())  # with partial=True the params not in this update keep their values
+        plan = _update_plan(meta, hf_config, family, replace(layout, readers=(src,), owner_reads=False), staging,
+                            quantize, dequantize, partial)
         if not plan.specs[rank]:
             raise PlanError("refit: the update holds no complete param (every part of a fused param is needed)")
         problems = _mismatches(plan, rank, current, params)
@@ -221,31 +192,19 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
         return plan
 
     plan = _phase("plan", make_plan)
-    specs = plan.specs[rank]
-    live = {n: params[n] for n in specs}
-    transfer = None
-
+    live = {n: params[n] for n in plan.specs[rank]}
     device = next(iter(live.values())).device if live else torch.device("cpu")
     # Post-load kernels run on refit too, exactly as on load: quantized plans carry per-rank steps (FP8
     # requantization of fused params, online quantization) that run as their inputs land; the steps' inputs
     # are staged (one layer in flight), their outputs copied into the live params.
     post = PostProcess(plan, rank, device) if any(plan.post) else None
-    written = {}
-
-    def move():
-        nonlocal transfer, written
-        reader = MemoryReader(tensors) if rank == src else None
-        into = post.allocate(live) if post is not None else live
-        transfer = Transfer(plan, rank, into, reader=reader, device=device,
-                            on_bucket_done=post and post.on_bucket_done)
-        transfer.run()
-        zero_padding(into, plan.staging_specs(rank), transfer.stats)
-        if transfer.error is not None:
-            raise transfer.error
-        written = post.finish(transfer.stats.written) if post is not None else transfer.stats.written
-
     try:
-        _phase("transfer", move)
+        into = _phase("allocate", lambda: post.allocate(live)) if post is not None else live
+        _, transfer, _ = transfer_phase(plan, rank, into, device, open_reader=lambda: MemoryReader(tensors),
+                                        on_bucket_done=post and post.on_bucket_done, phase="refit (transfer)")
+        written = transfer.stats.written
+        if post is not None:
+            written = _phase("postprocess", lambda: post.finish(transfer.stats.written))
         verdict = _phase("reconcile", lambda: reconcile(plan, rank, live, written, strict=True))
     except Exception as exc:  # a failed rank, a broken link, a failed check: the same state for the caller
         raise RefitFailed(f"refit to version {new_version} failed after bytes started moving; the params are partly "
@@ -260,3 +219,31 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
                  report={"version": new_version, "seconds": round(time.perf_counter() - start, 6),
                          "bytes": plan.checkpoint_bytes, "buckets": len(plan.buckets), "per_rank": per_rank})
 
+
+def _announce(rank: int, src: int, version: int | None, tensors: dict):
+    """(the update's version or None, its tensors' metadata), broadcast from the source."""
+    payload = None
+    if rank == src:
+        try:
+            payload = ("ok", version, _metadata(tensors))
+        except Exception as exc:
+            payload = ("error", exc, None)
+    kind, new_version, meta = broadcast_object(payload, src=src)
+    if kind == "error":
+        raise new_version
+    return new_version, meta
+
+
+def _update_plan(meta: dict, hf_config: dict, family, layout, staging: int, quantize, dequantize, partial: bool):
+    """The plan of a load of a checkpoint holding the update's tensors, the source its one reader."""
+    index = {n: TensorEntry(n, n, dtype, shape, 0, math.prod(shape) * itemsize(dtype)) for n, (dtype, shape) in meta.items()}
+    plan = build_plan(index, hf_config, family, layout, strict=False, staging_bytes=staging, quantize=quantize,
+                      dequantize=dequantize)
+    if plan.unexpected:
+        raise PlanError(f"refit refused before any byte moved: the rules ({family.source}) place no param for "
+                        f"{names.describe(plan.unexpected)}; send checkpoint (Hugging Face) names")
+    if plan.missing and not partial:
+        raise PlanError(f"refit refused before any byte moved: the update lacks {len(plan.missing)} tensor(s) "
+                        f"{names.describe(plan.missing)}; send them all, or pass partial=True to update only the "
+                        f"params whose tensors are all present")
+    return replace(plan, missing=())  # with partial=True the params not in this update keep their values

@@ -56,15 +56,18 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from . import names
+from . import dim_expr, loop_sets, names
 from .errors import RuleError
+from .loop_sets import LoopSet
 
-STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "expert")
+STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "expert")
 INNER_STYLES = ("column", "row", "merged", "replicate")
-TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets"}
-PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless"}
+TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
+            "remove", "drop_past"}
+PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
+              "dtype", "when"}
+DTYPE_POLICIES = ("float", "any-float")   # float: the checkpoint's weight dtype; any-float: any float width
 FORM_KEYS = {"parts", "split", "stacked"}      # what an `alternative` checkpoint form may change
-SET_KEYS = {"loop", "every", "from", "skip"}
 
 
 @dataclass(frozen=True)
@@ -80,21 +83,14 @@ class ParamRule:
     alternatives: tuple["ParamRule", ...] = ()   # other checkpoint forms of the same target, in order
     only: str | None = None         # a [sets] name: the target exists only for those loop values
     unless: str | None = None       # a [sets] name: the target exists except for those loop values
+    shape: tuple[str, ...] = ()     # full logical shape, one dim expression per axis (style expert: one expert)
+    dtype: str = "float"            # DTYPE_POLICIES: which stored dtypes the param accepts
+    when: str | None = None         # a config.json flag: the target exists only where it is true
 
     @property
     def forms(self) -> tuple["ParamRule", ...]:
         """This rule and its alternative checkpoint forms, in order of preference."""
         return (self,) + self.alternatives
-
-
-@dataclass(frozen=True)
-class LoopSet:
-    """A subset of one loop's values, from config.json (e.g. the MoE layers of a partly dense model)."""
-    name: str
-    loop: str
-    every: str | None = None        # dim n: (v + 1) % n == 0
-    start: str | None = None        # dim k: v >= k            (TOML key `from`)
-    skip: str | None = None         # config.json key of a list of values left out
 
 
 @dataclass(frozen=True)
@@ -112,6 +108,7 @@ class FamilyRules:
     dims: dict[str, str] = field(default_factory=dict)
     loops: dict[str, str] = field(default_factory=dict)
     drop: tuple[str, ...] = ()
+    drop_past: tuple[str, ...] = ()               # templates ignored past their loop's range (loop_sets.past_loops)
     ties: tuple[Tie, ...] = ()
     params: tuple[ParamRule, ...] = ()
     sets: dict[str, LoopSet] = field(default_factory=dict)
@@ -120,41 +117,22 @@ class FamilyRules:
         """Evaluate a named dim against config.json; RuleError if no alternative is present."""
         if dim_name not in self.dims:
             raise RuleError(f"{self.source}: rule needs dim {dim_name!r}, which [dims] does not define")
-        return eval_dim(self.dims[dim_name], config, f"{self.source} [dims] {dim_name}")
+        return self.dim_keys(config, dim_name)[0]
+
+    def dim_keys(self, config: dict, dim_name: str) -> tuple[int, tuple[str, ...]]:
+        """A named dim's value and the config.json keys it was computed from (for messages)."""
+        if dim_name not in self.dims:
+            raise RuleError(f"{self.source}: rule needs dim {dim_name!r}, which [dims] does not define")
+        return dim_expr.evaluate(self.dims[dim_name], dim_expr.config_lookup(config), f"{self.source} [dims] {dim_name}")
 
     def members(self, config: dict, set_name: str, values: range) -> set[int]:
         """The values of `values` (the loop's range) that belong to [sets] `set_name` for this config."""
-        s = self.sets[set_name]
-        every = self.dim(config, s.every) if s.every else 1
-        start = self.dim(config, s.start) if s.start else 0
-        skipped = (config.get(s.skip) or []) if s.skip else []
-        if every < 1 or not isinstance(skipped, list) or not all(isinstance(v, int) for v in skipped):
-            raise RuleError(f"{self.source}: [sets] {set_name}: config.json gives every={every}, {s.skip}={skipped!r}; "
-                            f"expected every >= 1 and a list of integers")
-        return {v for v in values if v >= start and (v + 1) % every == 0 and v not in skipped}
+        return loop_sets.members(self.sets[set_name], lambda d: self.dim(config, d), config, values, self.source)
 
 
 def eval_dim(expr: str, config: dict, where: str) -> int:
-    """'a|b/c|8' -> the first alternative whose keys are all present in config, as an int."""
-    for alternative in expr.split("|"):
-        terms = alternative.strip().split("/")
-        values = []
-        for term in terms:
-            term = term.strip()
-            if term.isdigit():
-                values.append(int(term))
-            elif isinstance(config.get(term), int) and not isinstance(config.get(term), bool):
-                values.append(config[term])
-            else:
-                break
-        else:
-            value = values[0]
-            for v in values[1:]:
-                if v == 0 or value % v:
-                    raise RuleError(f"{where}: {alternative!r} = {value}/{v} is not a whole number; check config.json")
-                value //= v
-            return value
-    raise RuleError(f"{where}: config.json has none of {expr!r}; add the key to config.json or fix the rule")
+    """'a|b/c|8' or 'a * b + 1' -> the first alternative whose keys are all present in config, as an int."""
+    return dim_expr.evaluate(expr, dim_expr.config_lookup(config), where)[0]
 
 
 def _config_dir():
@@ -168,6 +146,20 @@ def _read_toml(path) -> dict:
         raise RuleError(f"{path}: not valid TOML: {exc}") from None
 
 
+def _parent_file(path, parent):
+    """The file `extends = parent` names: next to the extending file first, else the shipped family."""
+    if not isinstance(parent, str) or not parent or "/" in parent or "\\" in parent:
+        raise RuleError(f"{path}: extends must name a family (a file stem such as \"llama\"), got {parent!r}")
+    beside = path.parent / f"{parent}.toml" if isinstance(path, Path) else None
+    if beside is not None and beside.is_file():
+        return beside
+    shipped = _config_dir() / f"{parent}.toml"
+    if not shipped.is_file():
+        beside_text = f"{beside} does not exist, nor does" if beside is not None else "there is no"
+        raise RuleError(f"{path}: extends {parent!r}, but {beside_text} a shipped configs/{parent}.toml")
+    return shipped
+
+
 def _merged_tables(path, seen=()) -> dict:
     data = _read_toml(path)
     unknown = set(data) - TOP_KEYS
@@ -175,16 +167,27 @@ def _merged_tables(path, seen=()) -> dict:
         raise RuleError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
     parent = data.pop("extends", None)
     if parent is None:
+        if "remove" in data:
+            raise RuleError(f"{path}: remove takes params away from the family it extends; this file extends none")
         return data
     if parent in seen:
         raise RuleError(f"{path}: 'extends' cycle through {parent!r}")
-    base_path = path.parent / f"{parent}.toml" if isinstance(path, Path) else _config_dir() / f"{parent}.toml"
-    if not base_path.is_file():
-        raise RuleError(f"{path}: extends {parent!r}, but {base_path} does not exist")
+    base_path = _parent_file(path, parent)
     base = _merged_tables(base_path, seen + (parent,))
     for key in ("dims", "loops", "params", "sets"):
         base[key] = {**base.get(key, {}), **data.get(key, {})}
-    base["drop"] = list(base.get("drop", [])) + list(data.get("drop", []))
+    for key in ("drop", "drop_past"):
+        base[key] = list(base.get(key, [])) + list(data.get(key, []))
+    removed = data.get("remove", [])
+    if not isinstance(removed, list) or not all(isinstance(t, str) for t in removed):
+        raise RuleError(f"{path}: remove must be a list of inherited param names, got {removed!r}")
+    for target in removed:
+        if target not in base["params"]:
+            raise RuleError(f"{path}: remove names {target!r}, which {parent!r} does not define; inherited params: "
+                            f"{names.describe(base['params'])}")
+        if target in data.get("params", {}):
+            raise RuleError(f"{path}: {target!r} is both removed and defined; keep one")
+        del base["params"][target]
     base["tie"] = list(base.get("tie", [])) + list(data.get("tie", []))
     # Identity is never inherited: a family that extends another still names itself and its architectures.
     base["name"], base["architectures"] = data.get("name"), data.get("architectures")
@@ -217,19 +220,24 @@ def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, d
     return dict(parts=parts, split=split, stacked=stacked)
 
 
-def _parse_sets(data: dict, where: str) -> dict[str, LoopSet]:
-    out = {}
-    for set_name, table in data.get("sets", {}).items():
-        if not isinstance(table, dict) or set(table) - SET_KEYS or "loop" not in table:
-            raise RuleError(f"{where}: [sets.{set_name}] needs 'loop' and may have {sorted(SET_KEYS - {'loop'})}; "
-                            f"got {sorted(table) if isinstance(table, dict) else table!r}")
-        if table["loop"] not in data.get("loops", {}):
-            raise RuleError(f"{where}: [sets.{set_name}] loop {table['loop']!r} is not in [loops]")
-        for key in ("every", "from"):
-            if key in table and table[key] not in data.get("dims", {}):
-                raise RuleError(f"{where}: [sets.{set_name}] {key} names dim {table[key]!r}, not in [dims]")
-        out[set_name] = LoopSet(set_name, table["loop"], table.get("every"), table.get("from"), table.get("skip"))
-    return out
+def _parse_when(table: dict, target: str, where: str) -> str | None:
+    when = table.get("when")
+    if when is not None and (not isinstance(when, str) or not when):
+        raise RuleError(f"{where}: params.{target!r}: when must name a config.json flag, got {when!r}")
+    return when
+
+
+def _parse_shape(table: dict, target: str, where: str, dims: dict) -> tuple[str, ...]:
+    """`shape = ["hidden", "heads * head_dim"]`: one expression of [dims] names per axis."""
+    shape = table.get("shape", [])
+    if not isinstance(shape, list) or not all(isinstance(d, str) for d in shape):
+        raise RuleError(f"{where}: params.{target!r}: shape must be a list of dim expressions, got {shape!r}")
+    for expr in shape:
+        unknown = dim_expr.names_in(expr) - set(dims)
+        if unknown:
+            raise RuleError(f"{where}: params.{target!r}: shape entry {expr!r} names {sorted(unknown)}, "
+                            f"not in [dims]; define them there (shapes use dim names, not config.json keys)")
+    return tuple(shape)
 
 
 def parse_rules(path) -> FamilyRules:
@@ -237,7 +245,7 @@ def parse_rules(path) -> FamilyRules:
     data = _merged_tables(path)
     where = str(path)
     loops, dims = data.get("loops", {}), data.get("dims", {})
-    sets = _parse_sets(data, where)
+    sets = loop_sets.parse_sets(data, where)
     params = []
     for target, table in data.get("params", {}).items():
         if not isinstance(table, dict):
@@ -265,7 +273,10 @@ def parse_rules(path) -> FamilyRules:
         pad_to = table.get("pad_to", 64)
         if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 1:
             raise RuleError(f"{where}: params.{target!r}: pad_to must be a positive integer, got {pad_to!r}")
-        common = dict(target=target, style=style, inner=inner, pad_to=pad_to)
+        common = dict(target=target, style=style, inner=inner, pad_to=pad_to,
+                      shape=_parse_shape(table, target, where, dims), dtype=table.get("dtype", "float"))
+        if common["dtype"] not in DTYPE_POLICIES:
+            raise RuleError(f"{where}: params.{target!r}: dtype {common['dtype']!r}; allowed: {', '.join(DTYPE_POLICIES)}")
         alternatives = table.get("alternative", [])
         if isinstance(alternatives, dict):
             alternatives = [alternatives]
@@ -276,12 +287,17 @@ def parse_rules(path) -> FamilyRules:
                                 f"split, stacked (the style is the param's); got {alt!r}")
             forms.append(ParamRule(**common, **_parse_form(alt, target, style, where, loops, dims)))
         params.append(ParamRule(**common, **_parse_form(table, target, style, where, loops, dims),
-                                alternatives=tuple(forms), only=table.get("only"), unless=table.get("unless")))
+                                alternatives=tuple(forms), only=table.get("only"), unless=table.get("unless"),
+                                when=_parse_when(table, target, where)))
     for table_name in ("dims", "loops"):
         bad = {k: v for k, v in data.get(table_name, {}).items() if not isinstance(v, str)}
         if bad:
             raise RuleError(f"{where}: [{table_name}] values must be strings (a TOML key after a [table] header "
                             f"belongs to that table: put top-level keys first); got {bad}")
+    for template in data.get("drop_past", []):
+        if not isinstance(template, str) or not names.variables(template) or \
+                set(names.variables(template)) - set(loops):
+            raise RuleError(f"{where}: drop_past entry {template!r} must be a name template using [loops] variables")
     ties = []
     for tie in data.get("tie", []):
         if set(tie) != {"target", "to", "when"}:
@@ -291,7 +307,7 @@ def parse_rules(path) -> FamilyRules:
         raise RuleError(f"{where}: a family file needs 'name' and 'architectures'")
     return FamilyRules(name=data["name"], source=where, architectures=tuple(data["architectures"]),
                        dims=dict(data.get("dims", {})), loops=dict(data.get("loops", {})),
-                       drop=tuple(data.get("drop", ())), ties=tuple(ties), params=tuple(params), sets=sets)
+                       drop=tuple(data.get("drop", ())), drop_past=tuple(data.get("drop_past", ())), ties=tuple(ties), params=tuple(params), sets=sets)
 
 
 _shipped_cache: dict[tuple, list[FamilyRules]] = {}

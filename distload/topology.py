@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import DistloadError
+from .options import LoadOptions
 
 PLACEMENTS = ("linear", "round_robin")
 
@@ -26,7 +27,7 @@ class Layout:
     local_world: int = 0                                  # ranks per node (0: all on one node)
     expert_placement: str = "linear"
     expert_map: tuple[tuple[int, ...], ...] | None = None  # EPLB: per rank, the global expert ids it hosts
-    owner_reads: bool = False                             # --readers owners: each rank reads its own pieces
+    owner_reads: bool = False                             # --readers owners asked for (route.py decides)
 
     def __post_init__(self):
         if self.world < 1:
@@ -89,7 +90,7 @@ READER_CHOICES = "'per-node', 'owners' (one node only) or a number of readers"
 
 
 def reader_ranks(world: int, local_world: int, readers: str | int) -> tuple[int, ...]:
-    """'per-node': local rank 0 of each node; 'owners': every rank (owner_reads.py; one node only);
+    """'per-node': local rank 0 of each node; 'owners': every rank (transfer/owner_reads.py; one node only);
     N: N readers spread evenly over the nodes."""
     local_world = local_world or world
     nodes = max(1, world // local_world)
@@ -112,10 +113,12 @@ def reader_ranks(world: int, local_world: int, readers: str | int) -> tuple[int,
     return tuple(sorted(order[:n]))
 
 
-def owner_reads(world: int, readers: str | int) -> bool:
-    """Do ranks copy their own pieces from the files (owner_reads.py)? Asked for with 'owners'; and always
-    alone (world 1), where the one reader is the one owner and it is the same contract, one copy fewer."""
-    return readers == "owners" or world == 1
+def layout_for(world: int, local_world: int, options: LoadOptions) -> Layout:
+    """The job's Layout for `options` (a LoadOptions) on `world` ranks, `local_world` per node."""
+    return Layout(world=world, tp=options.tp or world, ep=options.ep,
+                  readers=reader_ranks(world, local_world, options.readers), local_world=local_world,
+                  expert_placement=options.expert_placement, owner_reads=options.readers == "owners",
+                  expert_map=options.expert_map)
 
 
 @dataclass(frozen=True)
@@ -139,28 +142,26 @@ class Topology:
         return self.rank in self.layout.readers
 
 
-def from_environment(tp: int | None = None, ep: int = 1, readers: str | int = "per-node",
-                     device: str | None = None, backend: str | None = None, timeout_s: float = 600.0,
-                     expert_placement: str = "linear", expert_map=None) -> Topology:
-    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK)."""
+def from_environment(options: LoadOptions | None = None) -> Topology:
+    """This process in the job for `options` (default: LoadOptions()), from torchrun's environment (RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK)."""
     import torch
 
+    options = options if options is not None else LoadOptions()
     env = os.environ
     rank = int(env.get("RANK", "0"))
     world = int(env.get("WORLD_SIZE", "1"))
     local_rank = int(env.get("LOCAL_RANK", str(rank)))
     local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
     node = int(env.get("GROUP_RANK", str(rank // max(local_world, 1))))
+    device = options.device
     if device is None:
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    backend = options.backend
     if backend is None:
         backend = "nccl" if device.startswith("cuda") else "gloo"
-    layout = Layout(world=world, tp=tp or world, ep=ep, readers=reader_ranks(world, local_world, readers),
-                    local_world=local_world, expert_placement=expert_placement,
-                    owner_reads=owner_reads(world, readers),
-                    expert_map=tuple(tuple(ids) for ids in expert_map) if expert_map is not None else None)
-    return Topology(rank=rank, local_rank=local_rank, node=node, layout=layout, device=device, backend=backend,
-                    timeout_s=timeout_s)
+    return Topology(rank=rank, local_rank=local_rank, node=node, layout=layout_for(world, local_world, options),
+                    device=device, backend=backend, timeout_s=options.timeout_s)
 
 
 def init_process_group(topo: Topology) -> bool:
@@ -170,6 +171,13 @@ def init_process_group(topo: Topology) -> bool:
     """
     import torch
     import torch.distributed as dist
+    # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when first imported:
+    # imported after a process group exists (transformers' model construction does, in `verify`), it holds
+    # the group forever, destroy_process_group cannot free it, and gloo's worker threads outlive the
+    # interpreter - a worker finishing its last op during interpreter shutdown aborts the process
+    # ("terminate called without an active exception", SIGABRT after a successful run). Imported before
+    # the group is made, its defaults are None. (A caller that makes its own group imports it first.)
+    import torch.distributed.nn.functional  # noqa: F401
 
     if dist.is_initialized():
         return False
@@ -181,5 +189,5 @@ def init_process_group(topo: Topology) -> bool:
         kwargs["device_id"] = torch.device(topo.device)
     if "MASTER_ADDR" not in os.environ and topo.world == 1:
         kwargs["store"] = dist.HashStore()  # a plain `python -m distload load` needs no rendezvous
-    dist.init_process_group(**kwargs)  # torch.distributed.nn is already imported: see distload/__init__.py
+    dist.init_process_group(**kwargs)
     return True

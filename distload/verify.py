@@ -22,7 +22,9 @@ from . import topology
 from .errors import DistloadError
 from .loader import run_load
 from .models import forward
-from .transfer import agree, broadcast_object
+from .options import LoadOptions
+from .transfer import broadcast_object
+from .transfer.agreement import run_phase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -158,56 +160,44 @@ def _judge(path: str, logits: torch.Tensor, input_ids: list[int], tolerance: flo
 
 
 def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance: float = 2e-2,
-           logits_file: str | None = None, **load_options) -> Verification:
+           logits_file: str | None = None, options: LoadOptions | None = None, **load_options) -> Verification:
     """Load `path`, run the TP forward on every rank, judge on rank 0; the same Verification on every rank.
 
-    load_options: as distload.load (tp, ep, readers, config, strict, device, ...). Collective: every rank of
-    the job calls it.
+    options (or load_options: keyword arguments as distload.load: tp, ep, readers, config, ...): the load's.
+    Collective: every rank of the job calls it.
     """
+    options = options.replace(**load_options) if options is not None else LoadOptions.from_kwargs(**load_options)
     torch_dt = compute_dtype(dtype)
-    if load_options.get("quantize"):
-        raise DistloadError(f"verify --quantize {load_options['quantize']}: the reference forward computes with the "
+    if options.quantize:
+        raise DistloadError(f"verify --quantize {options.quantize}: the reference forward computes with the "
                             "checkpoint's weights, not fp8 ones and their scales; verify without --quantize")
     # The forward splits over the whole world; data-parallel replicas (tp < world) would need a TP subgroup.
-    layout = topology.from_environment(tp=load_options.get("tp"), ep=load_options.get("ep", 1)).layout
+    layout = topology.from_environment(options).layout
     if layout.tp != layout.world:
         raise DistloadError(f"verify --tp {layout.tp} on {layout.world} ranks: verify runs one tensor-parallel "
                             f"group; launch {layout.tp} ranks (torchrun --nproc-per-node {layout.tp}) or pass "
                             f"--tp {layout.world}")
-    result = run_load(path, **load_options)
+    result = run_load(path, options)
     layout, rank, config = result.plan.layout, result.rank, result.config
 
-    logits, error = None, None
-    try:
+    def run_forward():
         vocab = config["vocab_size"]
         if max(input_ids) >= vocab:
             raise DistloadError(f"--input-ids: token id {max(input_ids)} is outside the vocabulary "
                                 f"(config.json vocab_size={vocab}); use ids in 0..{vocab - 1}")
         device = next(iter(result.params.values())).device
-        logits = forward(result.params, config, torch.tensor(input_ids, device=device), tp_rank=layout.tp_rank(rank),
-                         tp_size=layout.tp, local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep,
-                         dtype=torch_dt)
-    except Exception as exc:  # every rank must reach the agreement step
-        error = exc
-    agree("forward", error)
+        return forward(result.params, config, torch.tensor(input_ids, device=device), tp_rank=layout.tp_rank(rank),
+                       tp_size=layout.tp, local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep,
+                       dtype=torch_dt)
 
-    verdict, error = None, None
-    if rank == 0:
+    logits = run_phase("forward", run_forward)
+
+    def judge():
+        if rank != 0:
+            return None
         header = (f"distload verify: {path}: {len(input_ids)} tokens, vocab {config['vocab_size']}, "
                   f"world {layout.world} (tp {layout.tp}, ep {layout.ep}), forward in {dtype}")
-        try:
-            verdict = _judge(path, logits, input_ids, tolerance, logits_file, header)
-        except Exception as exc:
-            error = exc
-    agree("compare", error)
-    verdict = broadcast_object(verdict, src=0)
+        return _judge(path, logits, input_ids, tolerance, logits_file, header)
+
+    verdict = broadcast_object(run_phase("compare", judge), src=0)
     return Verification(verdict=verdict, logits=logits, tp=layout.tp, ep=layout.ep)
-
-
-def run_verify(args) -> int:
-    """The CLI subcommand: exit code 0 if distload's forward matches transformers (or it was not installed)."""
-    from .cli import _load_kwargs
-
-    options = _load_kwargs(args)
-    return verify(args.path, input_ids=parse_input_ids(args.input_ids), dtype=args.dtype, tolerance=args.tolerance,
-                  logits_file=args.save_logits, **options).verdict.exit_code

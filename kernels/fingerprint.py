@@ -3,11 +3,7 @@
 Reconcile (DESIGN §2 step 7) all-gathers the fingerprints of replicated params to prove every rank
 holds bit-identical copies without moving the params themselves.
 
-The hash. The tensor's bytes, in logical (row-major) order, are read as little-endian int32 words, the
-last one zero-padded. Word i with bits w becomes the 64-bit state s_i = zext(w) + (i + 1) * GOLDEN,
-and two bijective 64-bit finalizers (splitmix64's and murmur3's fmix64) turn s_i into h1_i, h2_i.
-The fingerprint is (sum h1_i + L1, sum h2_i + L2) mod 2**64, stored as two signed int64 values, where
-L1, L2 hash the byte count.
+The hash is defined in fingerprint_format (shared with the Triton kernel).
 
 Why this shape:
 - sums are associative, so a GPU block reduction gives exactly the value of the CPU reference;
@@ -24,21 +20,9 @@ shifts are spelled as arithmetic shifts plus a mask, because int64 has no unsign
 import torch
 
 from .backend import use_triton
+from .fingerprint_format import FMIX_1, FMIX_2, GOLDEN, LENGTH_SALT, SPLITMIX_1, SPLITMIX_2
 
-
-def _signed64(value: int) -> int:
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-GOLDEN = _signed64(0x9E3779B97F4A7C15)
-SPLITMIX_1 = _signed64(0xBF58476D1CE4E5B9)
-SPLITMIX_2 = _signed64(0x94D049BB133111EB)
-FMIX_1 = _signed64(0xFF51AFD7ED558CCD)
-FMIX_2 = _signed64(0xC4CEB9FE1A85EC53)
-LENGTH_SALT = _signed64(0x6A09E667F3BCC909)  # keeps the length term apart from the word terms
-
-_REFERENCE_CHUNK_WORDS = 1 << 21  # the reference's int64 temporaries stay at a few 16 MiB each
+REFERENCE_CHUNK_WORDS = 1 << 21  # the reference's int64 temporaries stay at a few 16 MiB each
 
 
 @torch.no_grad()
@@ -103,8 +87,8 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def word_hash_sums_reference(words: torch.Tensor, first_index: int) -> torch.Tensor:
     """int64[2]: (sum h1, sum h2) over int32 `words`, the first one at word position `first_index`."""
     sums = torch.zeros(2, dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), _REFERENCE_CHUNK_WORDS):
-        chunk = words[start : start + _REFERENCE_CHUNK_WORDS]
+    for start in range(0, words.numel(), REFERENCE_CHUNK_WORDS):
+        chunk = words[start : start + REFERENCE_CHUNK_WORDS]
         first = first_index + start + 1
         state = torch.arange(first, first + chunk.numel(), dtype=torch.int64, device=words.device)
         state *= GOLDEN

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fingerprint import FMIX_1, FMIX_2, GOLDEN, SPLITMIX_1, SPLITMIX_2
+from .fingerprint_format import FMIX_1, FMIX_2, GOLDEN, SPLITMIX_1, SPLITMIX_2
 
 # Triton kernels may only read module globals that are constexpr.
 _GOLDEN = tl.constexpr(GOLDEN)

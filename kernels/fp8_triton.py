@@ -1,9 +1,9 @@
 """Triton twins of the FP8 references: per-tensor amax, elementwise rescale, block quantize/dequantize.
 
 Each kernel does the reference's fp32 arithmetic in the same order with IEEE-rounded division
-(`tl.math.div_rn`). Not `/`, which is approximate on NVIDIA, and not `tl.fdiv(..., ieee_rounding=True)`:
-measured on an H200 with Triton 3.6, it was approximate too (2-4k of 2M fp8 values off by one step, where
-x / scale is exactly an fp8 midpoint; scripts/gpu_check.sh, BENCHMARKS.md), then stores into its
+(`tl.math.div_rn`). Not `/`, which is approximate on NVIDIA, and not `tl.fdiv(..., ieee_rounding=True)`,
+which Triton 3.6 compiles as approximate too: a quotient that is exactly an fp8 midpoint then rounds the
+wrong way (scripts/gpu_check.sh catches it; BENCHMARKS.md has the GPU run). Each kernel then stores into its
 output pointer's dtype. The callers pass the real fp8/bf16 output on CUDA and an fp32 buffer under
 the interpreter, where torch then performs the (saturating, round-to-nearest-even) final cast; see
 `backend.cast_in_kernel`.

@@ -323,7 +323,7 @@ class Context:
 
     def region(self, params, param, piece):
         """The piece's destination in the param (a 2-D view)."""
-        from distload.shard import view2d
+        from distload.plan.shard import view2d
 
         t = params[param]
         rows, cols = piece.rows[1] - piece.rows[0], piece.cols[1] - piece.cols[0]
@@ -333,7 +333,7 @@ class Context:
         """The dim along which every rank's piece is its `ceil(n / world)` block (the split fastsafetensors and
         DTensor make), -1 if every rank takes the whole tensor, None if the serving layout is another split
         (a padded vocab, replicated kv heads): then those loaders must fetch the whole tensor and cut it."""
-        from distload.shard import view2d
+        from distload.plan.shard import view2d
 
         src = self.plan.sources[name]
         full = view2d(src.shape)
@@ -424,7 +424,7 @@ def load_dcp(ctx: Context):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.tensor import DTensor, Shard
 
-    from distload.dcp import contiguous_strides
+    from distload.checkpoint.dcp import contiguous_strides
 
     if ctx.device != "cpu":
         raise NotImplementedError("dcp is compared on CPU only")

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import torch
 
-
-
 import distload.kernels as kernels
 
 # Nominal HBM bandwidth by device name, for torch builds whose device properties lack the memory

@@ -1,10 +1,29 @@
 #!/usr/bin/env bash
-# Install distload with its test dependencies and run the whole suite (what CI runs).
+# Install distload with its test dependencies and run the tests.
+#   bash scripts/test.sh            the whole suite (what CI runs)
+#   bash scripts/test.sh --fast     only the pure tests (the `pure` marker, given in tests/conftest.py); installs
+#                                   only when distload is not importable from this checkout yet
+# Further arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --test || exit 1
+select=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  select=(-m pure)
+fi
+installed_here() {  # distload importable from this checkout, with pytest: the fast run skips reinstalling
+  python - <<'PY' 2>/dev/null
+import importlib.util, pathlib, sys
+spec = importlib.util.find_spec("distload")  # finds without importing: the check costs no torch import
+here = spec is not None and pathlib.Path(spec.origin).resolve().parent == pathlib.Path("distload").resolve()
+sys.exit(0 if here and importlib.util.find_spec("pytest") else 1)
+PY
+}
+if [[ ${#select[@]} -eq 0 ]] || ! installed_here; then
+  bash scripts/setup.sh --test || exit 1
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-python -m pytest -q tests "$@"
+python -m pytest -q tests "${select[@]}" "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then echo "pytest collected no tests"; exit 1; fi
 exit $rc

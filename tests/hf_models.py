@@ -28,6 +28,18 @@ FAMILIES: dict[str, dict] = {
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       head_dim=16, decoder_sparse_step=1, mlp_only_layers=[]),
 }
+# Families whose layout is shipped (configs/*.toml) and checked against layout_oracle.py; the reference
+# forward (distload/models) does not run them yet, so they are kept out of DENSE / FAMILIES.
+LAYOUT_FAMILIES: dict[str, dict] = {
+    "gemma2": dict(model_type="gemma2", head_dim=16),
+    "gemma3": dict(model_type="gemma3_text", head_dim=16),
+    "olmo2": dict(model_type="olmo2"),  # q_norm / k_norm over the whole projection
+    "olmo2_mqa": dict(model_type="olmo2", num_key_value_heads=1),  # k_norm replicated at tp > 1
+    "granite": dict(model_type="granite"),
+    "starcoder2": dict(model_type="starcoder2"),  # biases everywhere, c_fc / c_proj MLP, tied
+    "cohere": dict(model_type="cohere"),  # no post_attention_layernorm, tied
+    "cohere_qk_norm": dict(model_type="cohere", use_qk_norm=True),  # per-head q/k norms [heads, head_dim]
+}
 DENSE = ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mistral", "phi3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
@@ -35,7 +47,7 @@ MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 def build_config(family: str, **overrides):
     from transformers import AutoConfig
 
-    kw = {**COMMON, **FAMILIES[family], **overrides}
+    kw = {**COMMON, **(FAMILIES.get(family) or LAYOUT_FAMILIES[family]), **overrides}
     model_type = kw.pop("model_type")
     return AutoConfig.for_model(model_type, **kw)
 

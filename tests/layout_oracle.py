@@ -60,13 +60,23 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
     if not config.get("tie_word_embeddings"):
         out["lm_head.weight"] = vocab_rows(hf["lm_head.weight"], r, p)
     out["model.norm.weight"] = hf["model.norm.weight"]
+    if "model.norm.bias" in hf:
+        out["model.norm.bias"] = hf["model.norm.bias"]
 
     for i in range(config["num_hidden_layers"]):
         a = f"model.layers.{i}."
-        for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                     "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "input_layernorm.bias",
+                     "post_attention_layernorm.bias", "pre_feedforward_layernorm.weight",
+                     "post_feedforward_layernorm.weight", "self_attn.o_proj.bias"):
             if a + name in hf:
                 out[a + name] = hf[a + name]
+        q_norm, k_norm = hf.get(a + "self_attn.q_norm.weight"), hf.get(a + "self_attn.k_norm.weight")
+        if q_norm is not None and tuple(q_norm.shape) == (d,):  # Qwen3, Gemma3: one [head_dim] norm for all heads
+            out[a + "self_attn.q_norm.weight"], out[a + "self_attn.k_norm.weight"] = q_norm, k_norm
+        elif q_norm is not None:  # OLMo2 [heads * d], Cohere [heads, d]: each rank its heads, like q and k
+            per_head = k_norm.shape[0] // n_kv
+            out[a + "self_attn.q_norm.weight"] = rows(q_norm, r, p)
+            out[a + "self_attn.k_norm.weight"] = kv_rows(k_norm, r, p, n_kv, per_head)
 
         for kind in ("weight", "bias"):
             if a + f"self_attn.qkv_proj.{kind}" in hf:  # Phi-3: fused on disk as [q; k; v]
@@ -86,6 +96,12 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
         else:
             moe = None
 
+        if a + "mlp.c_fc.weight" in hf:  # StarCoder2: c_fc column-, c_proj row-parallel, its bias whole
+            out[a + "mlp.c_fc.weight"], out[a + "mlp.c_fc.bias"] = (rows(hf[a + f"mlp.c_fc.{x}"], r, p)
+                                                                  for x in ("weight", "bias"))
+            out[a + "mlp.c_proj.weight"] = cols(hf[a + "mlp.c_proj.weight"], r, p)
+            out[a + "mlp.c_proj.bias"] = hf[a + "mlp.c_proj.bias"]
+            continue
         if moe is None:  # dense MLP, split p ways
             if a + "mlp.gate_up_proj.weight" in hf:  # Phi-3: fused on disk as [gate; up]
                 gate, up = hf[a + "mlp.gate_up_proj.weight"].chunk(2)

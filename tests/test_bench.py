@@ -78,18 +78,26 @@ def test_what_it_measures(quick_bench):
     assert all(len(r["per_rank"]) == 2 and r["seconds"] >= max(p["seconds"] for p in r["per_rank"]) for r in runs)
 
 
+def one_node_row(loader: str, seconds: float, seconds_all: list[float]) -> dict:
+    """A summary row of scripts/bench.py for a cold 4-rank load on one node."""
+    return dict(nodes=1, world=4, cache="cold", loader=loader, seconds=seconds, seconds_all=seconds_all,
+                scenario="1 node x 4 ranks", disk_read_bytes=None, checkpoint_bytes=1, rss_over_shard=None)
+
+
 def test_per_repetition_ratios_pair_loaders_within_a_repetition():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import bench
     finally:
         sys.path.remove(str(REPO / "scripts"))
-    d, b = {"seconds_all": [1.0, 2.0, 3.0, 0.5]}, {"seconds_all": [2.0, 2.0, 2.0, 1.0]}
-    assert bench._per_repetition(d, b) == "; per repetition 0.750x median, 0.50-1.50x"
-    assert bench._per_repetition({"seconds_all": [1.0, 2.0, 3.0]}, b) == ""  # a failed repetition: no pairs
-    summary = [dict(nodes=1, world=4, cache="cold", loader=name, seconds=s, seconds_all=all_s, scenario="1 node x 4 ranks",
-                    disk_read_bytes=None, checkpoint_bytes=1, rss_over_shard=None)
-               for name, s, all_s in (("distload", 0.77, [0.7, 0.8, 0.9]), ("every-rank-reads", 0.766, [0.8, 0.8, 0.8]))]
-    (claim, holds, numbers), = bench.checks(summary, 16 << 20)
+
+    def numbers(distload_all, baseline_all):
+        summary = [one_node_row("distload", 0.77, distload_all), one_node_row("every-rank-reads", 0.766, baseline_all)]
+        (claim, holds, text), = bench.checks(summary, 16 << 20)
+        return holds, text
+
+    assert numbers([1.0, 2.0, 3.0, 0.5], [2.0, 2.0, 2.0, 1.0])[1].endswith("; per repetition 0.750x median, 0.50-1.50x")
+    assert numbers([1.0, 2.0, 3.0], [2.0, 2.0, 2.0, 1.0])[1] == "0.770s vs 0.766s = 1.005x"  # a failed repetition: no pairs
+    holds, text = numbers([0.7, 0.8, 0.9], [0.8, 0.8, 0.8])
     # three decimals: 0.770 vs 0.766 is not "1.00x" that does not hold
-    assert not holds and numbers == "0.770s vs 0.766s = 1.005x; per repetition 1.000x median, 0.87-1.12x", numbers
+    assert not holds and text == "0.770s vs 0.766s = 1.005x; per repetition 1.000x median, 0.87-1.12x", text

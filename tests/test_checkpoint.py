@@ -25,6 +25,8 @@ from distload.checkpoint import (
     STRATEGIES,
     LegacyFile,
     RangeReader,
+    Reader,
+    ReaderWrapper,
     choose_strategy,
     discover,
     evict_from_page_cache,
@@ -88,6 +90,25 @@ def test_golden_file_matches_safetensors(tmp_path, strategy):
             assert read_entry(r, entry) == as_bytes(st.get_tensor(name)), name
         assert r.files_opened == {"model.safetensors"}
         assert r.bytes_read == sum(e.nbytes for e in entries.values())
+
+
+def test_readers_share_one_protocol(tmp_path):
+    """RangeReader and the wrappers over it (checksums, DCP) are Readers; a wrapper's bytes and counters are
+    its inner reader's."""
+    from distload.checkpoint.dcp import DcpReader
+    from distload.sharded.reload import ChecksumReader
+
+    tensors = golden_tensors()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    entry = next(iter(parse_safetensors_header(tmp_path / "model.safetensors").values()))
+    with RangeReader(str(tmp_path)) as inner:
+        wrapper = ReaderWrapper(inner)
+        for reader in (inner, wrapper, ChecksumReader(inner, {})):
+            assert isinstance(reader, Reader), type(reader).__name__
+        assert issubclass(DcpReader, ReaderWrapper)
+        assert read_entry(wrapper, entry) == read_entry(inner, entry)
+        assert wrapper.bytes_read == inner.bytes_read == 2 * entry.nbytes
+        assert wrapper.files_opened == {"model.safetensors"} and wrapper.strategy == "plain"
 
 
 def test_display_name_and_empty_file(tmp_path):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from layout_oracle import serving_shards
@@ -182,3 +183,25 @@ def test_owner_reads_under_torchrun(dense_checkpoints, tmp_path):
             assert torch.equal(saved[name], t), (rank, name)
     bad = torchrun(1, "inspect", ckpt, "--readers", "several")
     assert bad.returncode != 0 and "choose 'per-node', 'owners'" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_options_refuse_a_misspelt_name_and_read_tuning_once(monkeypatch):
+    """Every load option once (distload/options.py): a misspelt one is refused by name, with the closest;
+    tuning comes from the environment when the options are made, and a bad value names its variable."""
+    import distload
+    from distload.errors import DistloadError
+    from distload.options import LoadOptions, Tuning
+
+    with pytest.raises(DistloadError, match=r"'stagng_mib' \(did you mean 'staging_mib'\?\)"):
+        distload.load("/nonexistent", stagng_mib=1)
+    with pytest.raises(DistloadError, match=r"'readrs' \(did you mean 'readers'\?\)"):
+        LoadOptions.from_kwargs(readrs=2)
+    monkeypatch.setenv("DISTLOAD_PULL", "0")
+    monkeypatch.setenv("DISTLOAD_EARLY_FETCH_MIB", "0.25")
+    options = LoadOptions(tp=2, expert_map=[[0, 1], [2, 3]])
+    assert options.tuning == Tuning(pull=False, early_fetch_mib=0.25) and options.expert_map == ((0, 1), (2, 3))
+    monkeypatch.setenv("DISTLOAD_PULL", "1")
+    assert options.tuning.pull is False  # read once, when the options were made
+    monkeypatch.setenv("DISTLOAD_HUGEPAGES", "yes")
+    with pytest.raises(DistloadError, match="DISTLOAD_HUGEPAGES='yes'"):
+        Tuning.from_environment()

@@ -23,7 +23,7 @@ from checks import differences, module_from_specs
 from hf_models import DENSE, MOE, checkpoint_tensors, read_config, save_checkpoint
 from layout_oracle import serving_shards
 from spawn import run_ranks
-from test_quant import _quantized_checkpoint, _skew_parts
+from fp8_checkpoints import quantized_checkpoint, skew_parts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -51,14 +51,14 @@ def checkpoints(tmp_path_factory, dense_checkpoints) -> dict[str, str]:
     out["wide"] = str(save_checkpoint("llama", root / "wide", dtype=torch.bfloat16, hidden_size=256,
                                       intermediate_size=1024, vocab_size=4000, num_hidden_layers=4,
                                       max_shard_size="4MB"))
-    bf16 = _skew_parts(save_checkpoint("llama", root / "llama-bf16", dtype=torch.bfloat16))
+    bf16 = skew_parts(save_checkpoint("llama", root / "llama-bf16", dtype=torch.bfloat16))
     out["llama-bf16"] = str(bf16)
-    out["llama-fp8"] = str(_quantized_checkpoint(bf16, root / "llama-fp8", "tensor"))
-    out["llama-block"] = str(_quantized_checkpoint(bf16, root / "llama-block", "block"))
+    out["llama-fp8"] = str(quantized_checkpoint(bf16, root / "llama-fp8", "tensor"))
+    out["llama-block"] = str(quantized_checkpoint(bf16, root / "llama-block", "block"))
     phi3 = save_checkpoint("phi3", root / "phi3-bf16", dtype=torch.bfloat16)
-    out["phi3-fp8"] = str(_quantized_checkpoint(phi3, root / "phi3-fp8", "tensor"))
-    mixtral = _skew_parts(save_checkpoint("mixtral", root / "mixtral-bf16", dtype=torch.bfloat16))
-    out["mixtral-fp8"] = str(_quantized_checkpoint(mixtral, root / "mixtral-fp8", "tensor"))
+    out["phi3-fp8"] = str(quantized_checkpoint(phi3, root / "phi3-fp8", "tensor"))
+    mixtral = skew_parts(save_checkpoint("mixtral", root / "mixtral-bf16", dtype=torch.bfloat16))
+    out["mixtral-fp8"] = str(quantized_checkpoint(mixtral, root / "mixtral-fp8", "tensor"))
     return out
 
 

@@ -439,7 +439,7 @@ CASES = [
     Case("checksums-ok", _checksums_ok, fault="", ok=True),
     Case("checksum-mismatch", _checksum_mismatch),
     Case("nonfinite", _nonfinite, fault=""),
-    # checked while reading (handoff.py), so this one does reach the transfer
+    # checked while reading (sharded/reload.py), so this one does reach the transfer
     Case("sharded-save-tampered", _sharded_tampered, base="", fault="", after="checksums-ok", same_text=False),
     Case("fault-read-error", _fault_read_error, fault="read-error@rank0:read:3"),
     Case("fault-read-error-owners", _fault_read_error_owners, fault="read-error@rank1:read:2"),
@@ -774,13 +774,13 @@ def test_faults_under_the_python_api(bases, tmp_path):
 
 
 def test_fault_spec_parsing():
-    from distload.faults import _parse
+    from distload.faults import parse_spec
 
-    assert _parse("kill@rank1:save-sharded (write)") == ("kill", 1, "save-sharded (write)", 1)
-    assert _parse("read-error@rank0:read:3") == ("read-error", 0, "read", 3)
-    assert _parse("kill@transfer") == ("kill", None, "transfer", 1)
+    assert parse_spec("kill@rank1:save-sharded (write)") == ("kill", 1, "save-sharded (write)", 1)
+    assert parse_spec("read-error@rank0:read:3") == ("read-error", 0, "read", 3)
+    assert parse_spec("kill@transfer") == ("kill", None, "transfer", 1)
     with pytest.raises(ValueError, match="ACTION@"):
-        _parse("explode@transfer")
+        parse_spec("explode@transfer")
 
 
 def test_checksums_file_format(tmp_path):

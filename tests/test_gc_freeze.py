@@ -38,22 +38,24 @@ def test_freeze_is_scoped_and_leaves_a_process_that_manages_it_alone():
             assert gc.get_freeze_count() == 0
     finally:
         gc.enable()
-    assert "tp" in inspect.signature(run_load).parameters  # the decorator keeps the API's signature
+    assert "options" in inspect.signature(run_load).parameters  # the decorator keeps the API's signature
 
 
 _PROBE = r"""
 import gc, json, sys
 import torch, distload
 import distload.loader as loader
+import distload.sources as sources
+from distload.options import LoadOptions
 seen = []
-plan = loader.build_plan
+plan = sources.build_plan
 def build_plan(*args, **kwargs):  # what a collection while planning would have to walk
     seen.append(len(gc.get_objects()))
     return plan(*args, **kwargs)
-loader.build_plan = build_plan
+sources.build_plan = build_plan
 before = len(gc.get_objects())  # a fresh process, as torchrun starts it
 load = loader.run_load if sys.argv[2] == "frozen" else loader.run_load.__wrapped__
-load(sys.argv[1], progress=False)
+load(sys.argv[1], LoadOptions(progress=False))
 print(json.dumps({"before": before, "seen": seen, "frozen_after": gc.get_freeze_count(), "after": len(gc.get_objects())}))
 """
 

@@ -342,13 +342,13 @@ def test_interrupted_save_leaves_the_earlier_one_intact(dense_checkpoints, tmp_p
 
 def test_save_refuses_to_replace_a_foreign_directory(dense_checkpoints, tmp_path):
     from distload.errors import CheckpointError
-    from distload.handoff import _prepare
+    from distload.sharded.save import prepare_directory
 
     foreign = tmp_path / "precious"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="not a distload save"):
-        _prepare(foreign, tmp_path / ".precious.tmp-x")
+        prepare_directory(foreign, tmp_path / ".precious.tmp-x")
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
@@ -450,7 +450,7 @@ class _Payload:
 def test_dcp_metadata_pickle_cannot_run_code(tmp_path):
     import pickle
 
-    from distload.dcp import read_metadata
+    from distload.checkpoint.dcp import read_metadata
     from distload.errors import CheckpointError
 
     marker = tmp_path / "ran"
@@ -463,7 +463,7 @@ def test_dcp_metadata_pickle_cannot_run_code(tmp_path):
 def test_dcp_strided_chunk_refused(dense_checkpoints, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from distload.dcp import discover_dcp
+    from distload.checkpoint.dcp import discover_dcp
     from distload.errors import CheckpointError
     from hf_models import checkpoint_tensors
 

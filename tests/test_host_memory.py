@@ -10,6 +10,7 @@ import torch
 
 from distload import host_memory
 from distload.loader import allocate
+from distload.options import Tuning
 from distload.plan import ParamSpec
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -69,6 +70,8 @@ def test_small_tensors_and_the_default_use_torchs_allocator(monkeypatch):
 
 def test_allocate_uses_it_when_asked_and_keeps_tied_aliases(monkeypatch):
     monkeypatch.setenv("DISTLOAD_HUGEPAGES", "1")
+    huge = Tuning.from_environment().hugepages  # read once, as a load does
+
     def spec(name, shape, dtype, alias_of=None):
         return ParamSpec(name=name, style="replicated", dtype=dtype, global_shape=shape, local_shape=shape,
                          alias_of=alias_of)
@@ -76,7 +79,7 @@ def test_allocate_uses_it_when_asked_and_keeps_tied_aliases(monkeypatch):
     specs = {"a.weight": spec("a.weight", (1024, 2048), "BF16"),
              "b.weight": spec("b.weight", (1024, 2048), "BF16", alias_of="a.weight"),
              "n.weight": spec("n.weight", (64,), "F32")}
-    params = allocate(specs, "cpu")
+    params = allocate(specs, "cpu", huge=huge)
     assert params["b.weight"] is params["a.weight"]
     assert params["a.weight"].data_ptr() % host_memory.HUGE_PAGE == 0
     assert params["n.weight"].shape == (64,) and params["n.weight"].dtype == torch.float32
@@ -98,7 +101,7 @@ def test_prefault_fills_the_regions_in_the_background_only_with_a_cpu_to_spare()
     import os
     import time
 
-    from distload.shard import Piece
+    from distload.plan.shard import Piece
     from distload.transfer.file_copy import Prefault
 
     t = host_memory.empty((64, 1 << 20), torch.uint8, huge=False)   # 64 MiB, nothing touched

@@ -179,7 +179,7 @@ def test_fingerprint_reference_chunking_is_invisible(monkeypatch):
 
     t = rand((1001,), torch.bfloat16)
     whole = fingerprint_reference(t)
-    monkeypatch.setattr(fingerprint_module, "_REFERENCE_CHUNK_WORDS", 7)
+    monkeypatch.setattr(fingerprint_module, "REFERENCE_CHUNK_WORDS", 7)
     assert torch.equal(fingerprint_reference(t), whole)
 
 
@@ -337,6 +337,7 @@ def test_block_dequantize_rejects_a_wrong_scale_shape():
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 @pytest.mark.skipif(not kernels.HAVE_TRITON, reason="triton is not installed")
 def test_triton_kernels_match_references_under_interpreter():

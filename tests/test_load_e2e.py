@@ -315,16 +315,20 @@ def test_owner_reads_exact(dense_checkpoints, world):
 
 
 def test_inspect_shows_owner_reads(dense_checkpoints):
-    import distload
-    from distload.inspect_cmd import describe_plan
+    from distload.inspect_cmd import describe_plan, inspect_load
+    from distload.options import LoadOptions
 
-    plan = distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4, readers="owners")
-    table = describe_plan(plan)
+    def inspect(**options):
+        world, local_world = options.pop("world"), options.pop("local_world", None)
+        inspection = inspect_load(dense_checkpoints["qwen3"], LoadOptions(**options), world, local_world)
+        return inspection.plan, describe_plan(inspection.plan, inspection.route)
+
+    plan, table = inspect(tp=4, world=4, readers="owners")
     assert "owner reads (--readers owners)" in table and "readers [0, 1, 2, 3]" in table
-    assert "node pulls" in describe_plan(distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4))
-    two_nodes = distload.inspect(dense_checkpoints["qwen3"], tp=4, world=4, local_world=2)
-    assert "node pulls" not in describe_plan(two_nodes)
-    assert f"reads the rows its own ranks keep; {sum(cross_node_bytes(two_nodes)):,} bytes cross" in describe_plan(two_nodes)
+    assert "node pulls" in inspect(tp=4, world=4)[1]
+    two_nodes, described = inspect(tp=4, world=4, local_world=2)
+    assert "node pulls" not in described
+    assert f"reads the rows its own ranks keep; {sum(cross_node_bytes(two_nodes)):,} bytes cross" in described
     rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
     assert [int(r[3].replace(",", "")) for r in rows] == [plan.owned_bytes(r) for r in range(4)]  # reads
     assert all(int(r[4].replace(",", "")) == 0 for r in rows)  # receives nothing

@@ -28,7 +28,7 @@ from spawn import run_ranks
 
 import distload
 from distload.errors import PlanError, RuleError
-from distload.shard import view2d
+from distload.plan.shard import view2d
 
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints

@@ -1,7 +1,9 @@
 """distload.plan: the pure load plan (DESIGN §2 step 4, §4.2, §4.5).
 
-Tiny real Hugging Face checkpoints (tests/hf_models.py) give the entries, config.json and the family
-rules. The plan only reads metadata, so values are made up here: every checkpoint tensor is filled with
+The checkpoints are metadata only (TensorEntry: name, file, offset, dtype, shape): the tensors, files and
+config.json that tests/hf_models.py's tiny Hugging Face models save, from tests/hf_metadata.py, without
+transformers or a disk (test_metadata_checkpoints_are_what_transformers_saves holds the two together). The plan only
+reads metadata, so values are made up here: every checkpoint tensor is filled with
 `arange + offset` (offsets running over the whole checkpoint, so every element is unique). Each rank's
 params are then built twice, once straight from the deliveries and once through the buckets' wire
 items (a byte-level simulation of what transfer/ does), and compared with layout_oracle.py, an
@@ -21,9 +23,10 @@ from distload.checkpoint import TensorEntry, discover
 from distload.dtypes import itemsize, torch_dtype
 from distload.errors import PlanError
 from distload.plan import build_plan, expert_hosts
+from distload.plan.shard import view2d
 from distload.rules import rules_for
-from distload.shard import view2d
 from distload.topology import Layout
+from hf_metadata import decoder_config, decoder_shapes, sharded_entries
 from hf_models import DENSE
 from checks import TOY_MOE_RULES, toy_rules
 from layout_oracle import serving_shards
@@ -33,14 +36,15 @@ from layout_oracle import serving_shards
 
 
 @pytest.fixture(scope="module")
-def ckpt(dense_checkpoints):
-    """ckpt(family) -> (entries, config, rules, total_bytes), from conftest's session checkpoints."""
+def ckpt():
+    """ckpt(family) -> (entries, config, rules, total_bytes) of hf_models' `family` checkpoint, as metadata."""
     cache = {}
 
     def get(family):
         if family not in cache:
-            index = discover(dense_checkpoints[family])
-            cache[family] = (dict(index.tensors), dict(index.config), rules_for(index.config), index.total_bytes)
+            config = decoder_config(family)
+            entries = sharded_entries(decoder_shapes(config))
+            cache[family] = (entries, config, rules_for(config), sum(e.nbytes for e in entries.values()))
         return cache[family]
     return get
 
@@ -700,16 +704,24 @@ def test_plan_is_identical_across_processes_with_different_hash_seeds(dense_chec
         assert len(digests) == 1, (path, digests)
 
 
-def test_config_intermediate_size_contradicting_gate_up_is_refused(dense_checkpoints):
-    from distload.checkpoint import discover
-    from distload.errors import PlanError
-    from distload.plan import build_plan
-    from distload.rules import rules_for
-    from distload.topology import Layout
-
+def test_config_intermediate_size_contradicting_gate_up_is_refused(ckpt):
     for fam in ("llama", "phi3"):
-        idx = discover(dense_checkpoints[fam])
-        config = {**idx.config, "intermediate_size": idx.config["intermediate_size"] * 2}
+        entries, config, _, _ = ckpt(fam)
+        config = {**config, "intermediate_size": config["intermediate_size"] * 2}
         with pytest.raises(PlanError, match="config.json and the checkpoint disagree") as err:
-            build_plan(idx.tensors, config, rules_for(config), Layout(world=2, tp=2))
+            build_plan(entries, config, rules_for(config), Layout(world=2, tp=2))
         assert "gate" in str(err.value) and "intermediate" in str(err.value)
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_metadata_checkpoints_are_what_transformers_saves(ckpt, dense_checkpoints, family):
+    """The metadata the pure tests plan is what hf_models' transformers model saves: the same tensors
+    (name, file, dtype, shape) and the same numbers for every dim the family's rules read."""
+    entries, config, rules, total = ckpt(family)
+    index = discover(dense_checkpoints[family])
+    saved = {n: (e.file, e.dtype, tuple(e.shape)) for n, e in index.tensors.items()}
+    assert {n: (e.file, e.dtype, e.shape) for n, e in entries.items()} == saved
+    assert total == index.total_bytes
+    assert rules_for(index.config).name == rules.name
+    assert {d: rules.dim(config, d) for d in rules.dims} == {d: rules.dim(index.config, d) for d in rules.dims}
+    assert bool(config["tie_word_embeddings"]) == bool(index.config.get("tie_word_embeddings"))

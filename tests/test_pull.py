@@ -13,7 +13,7 @@ import torch
 
 from distload.checkpoint import RangeReader
 from distload.plan import Source
-from distload.shard import Piece
+from distload.plan.shard import Piece
 from distload.transfer.file_copy import copy_piece
 from distload.transfer.pull import borrow_fd, make_room_for_descriptors, why_not_usable
 

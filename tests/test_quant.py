@@ -12,7 +12,6 @@ must equal the checkpoint's own fp8 bytes and scales, sliced here by hand.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -26,15 +25,15 @@ from distload.kernels import (
     FP8_DTYPE,
     block_scale_shape,
     dequantize_fp8_block_reference,
-    quantize_fp8_block_reference,
-    quantize_fp8_per_tensor_reference,
 )
 from distload.plan import build_plan
-from distload.quant_plan import checkpoint_scheme
+from distload.plan.quant import checkpoint_scheme
+from distload.plan.shard import view2d
 from distload.rules import rules_for
-from distload.shard import view2d
 from distload.topology import Layout
+from fp8_checkpoints import CKPT_LINEAR, quantization_config, quantized_checkpoint, skew_parts
 from checks import TOY_MOE_RULES, module_from_specs, toy_rules
+from hf_metadata import decoder_config, decoder_shapes, laid_out, sharded_entries
 from spawn import run_ranks
 
 TP = 2
@@ -42,72 +41,28 @@ LAYERS = 4                       # enough layers that "one layer at a time" diff
 FP8_ERROR = 0.08                 # relative Frobenius error allowed by FP8 (e4m3: ~2-4% in practice)
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.(qkv|o)_proj\.|mlp\.(gate_up|down)_proj\.|"
                     r"block_sparse_moe\.experts\.w(13|2)_)weight$")                 # serving names
-CKPT_LINEAR = re.compile(r"model\.layers\.\d+\.(.*_proj|.*experts\.\d+\.w[123])\.weight$")  # on disk
 
 
-# ----------------------------------------------------------------------------------------------------
-# Making FP8 checkpoints from real tiny models
-
-
-def _quantized_checkpoint(src: Path, out: Path, kind: str, *, block=(16, 16), ct: bool = False) -> Path:
-    """Copy checkpoint `src` to `out` with every linear weight quantized (kind 'tensor' or 'block'); the
-    same files as the original, each scale in its weight's file, index.json and config.json updated."""
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir(parents=True)
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    for i, f in enumerate(sorted(src.glob("*.safetensors"))):
-        tensors = {}
-        for n, w in sorted(load_file(f).items()):
-            if not CKPT_LINEAR.match(n):
-                tensors[n] = w
-                continue
-            base = n[: -len("weight")]
-            if kind == "tensor":
-                q, scale = quantize_fp8_per_tensor_reference(w)
-                tensors[base + "weight_scale"] = scale.reshape((1,) if ct else ())
-                # a static activation scale, different for every weight (so "max of the parts" is visible)
-                seed = sum(map(ord, n)) % 97
-                tensors[base + "input_scale"] = torch.tensor(0.01 + 0.001 * seed).reshape((1,) if ct else ())
-            else:
-                q, scale = quantize_fp8_block_reference(w, block)
-                tensors[base + ("weight_scale" if ct else "weight_scale_inv")] = scale
-            tensors[n] = q
-        for n in tensors:
-            index["weight_map"][n] = f.name
-        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    config = json.loads((src / "config.json").read_text())
-    if ct:
-        weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False,
-                   "strategy": "tensor" if kind == "tensor" else "block",
-                   "block_structure": None if kind == "tensor" else list(block)}
-        acts = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False} if kind == "tensor" else None
-        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                                         "ignore": ["lm_head"], "quantization_status": "compressed",
-                                         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                                                       "input_activations": acts}}}
-    elif kind == "tensor":
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
-    else:
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "weight_block_size": list(block)}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
-def _skew_parts(path: Path) -> Path:
-    """Give the parts of fused params different magnitudes (k 4x q and v, up 1/4 of gate), as real models
-    have: a fused param's scale must then be requantized, and a plain max of the scales would be far off."""
-    from safetensors.torch import load_file, save_file
-
-    for f in path.glob("*.safetensors"):
-        tensors = load_file(f)
-        for n in tensors:
-            if n.endswith(("k_proj.weight", "up_proj.weight", ".w3.weight")):
-                tensors[n] = tensors[n] * (4.0 if "k_proj" in n else 0.25)
-        save_file(tensors, str(f), metadata={"format": "pt"})
-    return path
+def _metadata(family: str, kind: str | None = None, *, block=(16, 16), ct: bool = False, **overrides):
+    """(entries, config) of the BF16 `family` checkpoint, or of it quantized as quantized_checkpoint does,
+    as metadata only (tests/hf_metadata.py): what the plan-time tests plan."""
+    config = decoder_config(family, **overrides)
+    entries = sharded_entries(decoder_shapes(config), "BF16")
+    if kind is None:
+        return entries, config
+    tensors = {}
+    for n, e in entries.items():
+        if not CKPT_LINEAR.match(n):
+            tensors[n] = (e.file, e.dtype, e.shape)
+            continue
+        base = n[: -len("weight")]
+        tensors[n] = (e.file, "F8_E4M3", e.shape)
+        if kind == "tensor":
+            for suffix in ("weight_scale", "input_scale"):
+                tensors[base + suffix] = (e.file, "F32", (1,) if ct else ())
+        else:
+            tensors[base + ("weight_scale" if ct else "weight_scale_inv")] = (e.file, "F32", block_scale_shape(e.shape, block))
+    return laid_out(tensors), {**config, "quantization_config": quantization_config(kind, block, ct)}
 
 
 @pytest.fixture(scope="module")
@@ -115,21 +70,21 @@ def checkpoints(tmp_path_factory):
     from hf_models import save_checkpoint
 
     root = tmp_path_factory.mktemp("quant")
-    llama = _skew_parts(save_checkpoint("llama", root / "llama", dtype=torch.bfloat16, num_hidden_layers=LAYERS))
-    qwen2 = _skew_parts(save_checkpoint("qwen2", root / "qwen2", dtype=torch.bfloat16))
+    llama = skew_parts(save_checkpoint("llama", root / "llama", dtype=torch.bfloat16, num_hidden_layers=LAYERS))
+    qwen2 = skew_parts(save_checkpoint("qwen2", root / "qwen2", dtype=torch.bfloat16))
     phi3 = save_checkpoint("phi3", root / "phi3", dtype=torch.bfloat16)
-    mixtral = _skew_parts(save_checkpoint("mixtral", root / "mixtral", dtype=torch.bfloat16))
+    mixtral = skew_parts(save_checkpoint("mixtral", root / "mixtral", dtype=torch.bfloat16))
     return {
         "llama": llama, "qwen2": qwen2, "phi3": phi3, "mixtral": mixtral,
-        "mixtral-fp8": _quantized_checkpoint(mixtral, root / "mixtral-fp8", "tensor"),
-        "mixtral-block": _quantized_checkpoint(mixtral, root / "mixtral-block", "block"),
-        "llama-fp8": _quantized_checkpoint(llama, root / "llama-fp8", "tensor"),
-        "qwen2-ct": _quantized_checkpoint(qwen2, root / "qwen2-ct", "tensor", ct=True),
-        "phi3-fp8": _quantized_checkpoint(phi3, root / "phi3-fp8", "tensor"),
-        "llama-block": _quantized_checkpoint(llama, root / "llama-block", "block"),
-        "phi3-block": _quantized_checkpoint(phi3, root / "phi3-block", "block"),
-        "qwen2-ct-block": _quantized_checkpoint(qwen2, root / "qwen2-ct-block", "block", ct=True),
-        "llama-block32": _quantized_checkpoint(llama, root / "llama-block32", "block", block=(32, 32)),
+        "mixtral-fp8": quantized_checkpoint(mixtral, root / "mixtral-fp8", "tensor"),
+        "mixtral-block": quantized_checkpoint(mixtral, root / "mixtral-block", "block"),
+        "llama-fp8": quantized_checkpoint(llama, root / "llama-fp8", "tensor"),
+        "qwen2-ct": quantized_checkpoint(qwen2, root / "qwen2-ct", "tensor", ct=True),
+        "phi3-fp8": quantized_checkpoint(phi3, root / "phi3-fp8", "tensor"),
+        "llama-block": quantized_checkpoint(llama, root / "llama-block", "block"),
+        "phi3-block": quantized_checkpoint(phi3, root / "phi3-block", "block"),
+        "qwen2-ct-block": quantized_checkpoint(qwen2, root / "qwen2-ct-block", "block", ct=True),
+        "llama-block32": quantized_checkpoint(llama, root / "llama-block32", "block", block=(32, 32)),
     }
 
 
@@ -137,43 +92,68 @@ def checkpoints(tmp_path_factory):
 # Plan-time rules (pure: no processes)
 
 
-def _plan(path, tp=TP, **options):
-    index = discover(str(path))
-    return build_plan(index.tensors, index.config, rules_for(index.config), Layout(world=tp, tp=tp), **options)
+# The metadata of the checkpoints fixture's llama-based ones, by its names.
+METADATA = {"llama": dict(family="llama"), "llama-fp8": dict(family="llama", kind="tensor"),
+            "llama-block": dict(family="llama", kind="block"),
+            "llama-block32": dict(family="llama", kind="block", block=(32, 32)),
+            "qwen2-ct": dict(family="qwen2", kind="tensor", ct=True),
+            "qwen2-ct-block": dict(family="qwen2", kind="block", ct=True)}
 
 
-def test_block_split_refused_while_planning(checkpoints):
+def _meta(name: str):
+    args = METADATA[name]
+    return _metadata(**args, **({"num_hidden_layers": LAYERS} if args["family"] == "llama" else {}))
+
+
+def _plan(name: str, tp=TP, **options):
+    entries, config = _meta(name)
+    return build_plan(entries, config, rules_for(config), Layout(world=tp, tp=tp), **options)
+
+
+@pytest.mark.parametrize("name", sorted(METADATA))
+def test_metadata_is_what_the_fixture_writes(checkpoints, name):
+    """The plan-time tests' metadata matches the checkpoint files (tensors, files, dtypes, shapes, scheme)."""
+    entries, config = _meta(name)
+    index = discover(str(checkpoints[name]))
+    assert ({n: (e.file, e.dtype, tuple(e.shape)) for n, e in index.tensors.items()}
+            == {n: (e.file, e.dtype, e.shape) for n, e in entries.items()})
+    assert checkpoint_scheme(config) == checkpoint_scheme(index.config)
+    rules = rules_for(index.config)
+    assert {d: rules.dim(config, d) for d in rules.dims} == {d: rules.dim(index.config, d) for d in rules.dims}
+
+
+def test_block_split_refused_while_planning():
     with pytest.raises(PlanError) as err:
-        _plan(checkpoints["llama-block32"], tp=2)
+        _plan("llama-block32", tp=2)
     msg = str(err.value)
     assert "model.layers.0.self_attn.qkv_proj.weight (rule qkv, block FP8 [32, 32]" in msg
     assert "k_proj.weight at row 16" in msg and "weight_scale_inv" in msg and "(try tp 1)" in msg
-    _plan(checkpoints["llama-block32"], tp=1)  # the tp it names works
+    _plan("llama-block32", tp=1)  # the tp it names works
     for tp in (1, 2, 4):  # 16x16 blocks: every tp the heads allow
-        _plan(checkpoints["llama-block"], tp=tp)
+        _plan("llama-block", tp=tp)
 
 
-def test_final_specs_and_steps(checkpoints):
+def test_final_specs_and_steps():
     a = "model.layers.0.self_attn."
-    plan = _plan(checkpoints["llama-fp8"])
+    plan = _plan("llama-fp8")
     spec = plan.specs[0][a + "qkv_proj.weight_scale"]
     assert (spec.style, spec.dtype, spec.local_shape) == ("replicate", "F32", ())   # one value per rank
     assert plan.staging_specs(0)[a + "qkv_proj.weight_scale"].local_shape == (3,)  # one per part in flight
     assert plan.specs[0][a + "o_proj.weight_scale"].local_shape == ()                # row: the checkpoint's scalar
     assert {s.op for s in plan.post[0]} == {"requantize", "max"}
     assert all(s.runs == ((32, 0), (16, 1), (16, 2)) for s in plan.post[0] if s.inputs[0] == a + "qkv_proj.weight")
-    plan = _plan(checkpoints["llama-block"])  # block FP8 needs no step: weight and scale are final as cut
+    plan = _plan("llama-block")  # block FP8 needs no step: weight and scale are final as cut
     assert not any(plan.post) and not plan.staging
     assert plan.specs[1][a + "qkv_proj.weight_scale_inv"].local_shape == (4, 4)
-    plan = _plan(checkpoints["llama"], quantize="fp8")
+    plan = _plan("llama", quantize="fp8")
     assert plan.specs[0]["model.embed_tokens.weight"].dtype == "BF16"               # vocab: not quantized
     assert plan.specs[0]["model.norm.weight"].dtype == "BF16"
     assert plan.specs[0][a + "qkv_proj.weight"].dtype == "F8_E4M3"
     assert "model.embed_tokens.weight_scale" not in plan.specs[0]
     with pytest.raises(PlanError, match="already quantized"):
-        _plan(checkpoints["llama-fp8"], quantize="fp8")
+        _plan("llama-fp8", quantize="fp8")
     with pytest.raises(PlanError, match="not quantized"):
-        _plan(checkpoints["llama"], dequantize=True)
+        _plan("llama", dequantize=True)
 
 
 def test_scheme_from_config():
@@ -192,12 +172,11 @@ def test_scheme_from_config():
         checkpoint_scheme({"quantization_config": ct})
 
 
-def test_missing_scale_of_one_part_is_named(checkpoints, tmp_path):
-    index = discover(str(checkpoints["llama-block"]))
-    tensors = dict(index.tensors)
+def test_missing_scale_of_one_part_is_named():
+    tensors, config = _meta("llama-block")
     del tensors["model.layers.1.self_attn.k_proj.weight_scale_inv"]
     with pytest.raises(PlanError, match=r"but not 'model\.layers\.1\.self_attn\.k_proj\.weight_scale_inv'"):
-        build_plan(tensors, index.config, rules_for(index.config), Layout(world=2, tp=2))
+        build_plan(tensors, config, rules_for(config), Layout(world=2, tp=2))
 
 
 # Experts: toy rules and entries (the plan reads only metadata), values made up per element.
@@ -285,18 +264,18 @@ def test_block_steps_in_bands_equal_whole_matrices(monkeypatch):
     """postprocess runs block kernels on bands of whole block rows (bounded fp32 temporaries): same bits."""
     from distload import postprocess
     from distload.kernels import dequantize_fp8_block, quantize_fp8_block
-    from distload.quant_plan import Step
+    from distload.plan.quant_steps import Step
 
     monkeypatch.setattr(postprocess, "BAND_ELEMS", 40 * 16)  # bands of 32 rows of a [*, 40] matrix
     torch.manual_seed(0)
     for shape in ((100, 40), (3, 70, 40)):  # partial edge blocks; experts
         w = torch.randn(shape) * torch.linspace(0.1, 10, shape[-2]).unsqueeze(-1)
-        q, s = postprocess._quantize_block(Step("quantize_block", ("w",), ("w", "s"), block=(16, 16)), None, w)
+        q, s = postprocess.OPS["quantize_block"](Step("quantize_block", ("w",), ("w", "s"), block=(16, 16)), None, w)
         want_q, want_s = quantize_fp8_block(w, (16, 16))
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
         final = type("Spec", (), {"dtype": "F32"})()
-        (deq,) = postprocess._dequantize_block(Step("dequantize_block", ("w", "s"), ("w",), block=(16, 16)),
-                                               [final], q, s)
+        (deq,) = postprocess.OPS["dequantize_block"](Step("dequantize_block", ("w", "s"), ("w",), block=(16, 16)),
+                                                     [final], q, s)
         assert torch.equal(deq, dequantize_fp8_block(q, s, (16, 16), torch.float32))
 
 

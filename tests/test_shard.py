@@ -1,4 +1,4 @@
-"""distload.shard: pure style math on 2-D views (DESIGN §4.1).
+"""distload.plan.shard: pure style math on 2-D views (DESIGN §4.1).
 
 Sources are filled with `arange + offset` (offset 10_000 per source), so a misplaced element tells which
 source and which element it came from. Each rank's local tensor is materialised from its pieces and
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distload.errors import DistloadError, PlanError
-from distload.shard import CUTS, LocalLayout, Part, Piece, cut, padded_vocab, view2d
+from distload.plan.shard import CUTS, LocalLayout, Part, Piece, cut, padded_vocab, view2d
 
 OFFSET = 10_000
 
@@ -103,7 +103,7 @@ def test_piece_numel():
 
 
 def test_cuts_is_the_closed_set_of_dense_styles():
-    assert set(CUTS) == {"replicate", "column", "row", "vocab", "merged", "qkv"}
+    assert set(CUTS) == {"replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped"}
 
 
 @pytest.mark.parametrize("vocab,p,pad_to,expected", [
@@ -374,3 +374,75 @@ def test_error_label_is_configurable():
 
 def test_plan_error_is_a_distload_error():
     assert issubclass(PlanError, DistloadError)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Head-aware cuts of one tensor: kv (a k norm over the whole projection), qkv_grouped (InternLM2 wqkv)
+
+
+def expected_kv_rows(t: torch.Tensor, r: int, p: int, kv: int) -> torch.Tensor:
+    """Rank r's kv heads of t (kv equal row blocks), written independently: replicated past p = kv."""
+    heads = list(t.chunk(kv))
+    if p <= kv:
+        return torch.cat(heads[r * kv // p:(r + 1) * kv // p])
+    return heads[r // (p // kv)]
+
+
+@pytest.mark.parametrize("kv,p", [(2, 1), (2, 2), (2, 4), (4, 2), (1, 4)])
+def test_kv_cuts_by_kv_heads_and_replicates_past_them(kv, p):
+    d, cols = 3, 2
+    src = arange_sources({"k_norm": (kv * d, cols)})
+    _, locals_ = run_all_ranks("kv", [whole("k_norm", src["k_norm"])], p, src, heads=4, kv_heads=kv)
+    for r, local in enumerate(locals_):
+        assert torch.equal(local, expected_kv_rows(src["k_norm"], r, p, kv))
+
+
+def grouped_qkv(heads: int, kv: int, d: int, cols: int) -> tuple[torch.Tensor, list]:
+    """A wqkv packed per kv group and, per group, its (q heads, k, v) blocks by plain slicing."""
+    q_per = heads // kv
+    t = arange_sources({"wqkv": (kv * (q_per + 2) * d, cols)})["wqkv"]
+    groups = [g.split([q_per * d, d, d]) for g in t.chunk(kv)]
+    return t, groups
+
+
+@pytest.mark.parametrize("heads,kv,p", [(4, 2, 1), (4, 2, 2), (4, 2, 4), (8, 2, 4), (8, 4, 2), (8, 1, 4), (8, 2, 8)])
+def test_qkv_grouped_keeps_the_packed_order_per_rank(heads, kv, p):
+    d, cols = 2, 3
+    t, groups = grouped_qkv(heads, kv, d, cols)
+    src = {"wqkv": t}
+    layouts, locals_ = run_all_ranks("qkv_grouped", [whole("wqkv", t)], p, src, heads=heads, kv_heads=kv)
+    for r, local in enumerate(locals_):
+        if p <= kv:
+            want = torch.cat([torch.cat(groups[g]) for g in range(r * kv // p, (r + 1) * kv // p)])
+        else:
+            q, k, v = groups[r // (p // kv)]
+            share = heads // p
+            j = r % (p // kv)
+            want = torch.cat([q[j * share * d:(j + 1) * share * d], k, v])
+        assert torch.equal(local, want), (r, p)
+    counts = source_counts(layouts, src)["wqkv"]
+    # Every q row once; k and v rows once per rank sharing their kv head.
+    kv_times = max(1, p // kv)
+    for q, k, v in (c.split([heads // kv * d, d, d]) for c in counts.chunk(kv)):
+        assert torch.equal(q, torch.ones_like(q))
+        assert torch.equal(k, torch.full_like(k, kv_times)) and torch.equal(v, torch.full_like(v, kv_times))
+
+
+def test_qkv_grouped_differs_from_plain_qkv_on_the_same_tensor():
+    """The shapes agree, so no plan can tell the two apart: the shards must not."""
+    heads, kv, d, cols = 4, 2, 2, 3
+    t, _ = grouped_qkv(heads, kv, d, cols)
+    src = {"wqkv": t}
+    plain = [Part("wqkv", 0, heads * d, cols), Part("wqkv", heads * d, kv * d, cols),
+             Part("wqkv", (heads + kv) * d, kv * d, cols)]
+    a = materialise(cut("qkv_grouped", [whole("wqkv", t)], 2, 0, "w", heads=heads, kv_heads=kv), src)
+    b = materialise(cut("qkv", plain, 2, 0, "w", heads=heads, kv_heads=kv), src)
+    assert a.shape == b.shape and not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("style", ["kv", "qkv_grouped"])
+def test_head_cuts_refuse_a_group_size_that_splits_a_head(style):
+    with pytest.raises(PlanError, match="tp must divide 4 and divide 2 or be a multiple of it"):
+        cut(style, [Part("w", 0, 16, 2)], 3, 0, "w", heads=4, kv_heads=2)
+    with pytest.raises(PlanError, match="not a whole number per head"):
+        cut(style, [Part("w", 0, 15, 2)], 2, 0, "w", heads=4, kv_heads=2)

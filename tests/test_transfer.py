@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from distload.checkpoint import RangeReader, discover
 from distload.loader import allocate
@@ -10,7 +9,7 @@ from distload.plan import build_plan
 from distload.rules import rules_for
 from distload.topology import Layout
 from distload.transfer import Transfer, zero_padding
-from distload.transfer.engine import PREFETCH_BUCKETS
+from distload.transfer.bucket_reads import PREFETCH_BUCKETS
 
 
 class RecordingReader(RangeReader):

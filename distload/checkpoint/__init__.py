@@ -3,7 +3,9 @@
 from .discover import CheckpointIndex, discover
 from .header import MAX_HEADER_BYTES, TensorEntry, parse_safetensors_header
 from .legacy import LegacyFile, legacy_entries, load_legacy_file
-from .reader import STRATEGIES, RangeReader, ReaderWrapper, choose_strategy, evict_from_page_cache
+from .file_reads import evict_from_page_cache
+from .reader import RangeReader, Reader, ReaderWrapper
+from .strategy import STRATEGIES, choose_strategy, usable_cpus
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -11,6 +13,7 @@ __all__ = [
     "CheckpointIndex",
     "LegacyFile",
     "RangeReader",
+    "Reader",
     "ReaderWrapper",
     "TensorEntry",
     "choose_strategy",
@@ -19,4 +22,5 @@ __all__ = [
     "legacy_entries",
     "load_legacy_file",
     "parse_safetensors_header",
+    "usable_cpus",
 ]

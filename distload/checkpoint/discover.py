@@ -86,7 +86,7 @@ def discover(root: str | os.PathLike) -> CheckpointIndex:
             root, fmt, f" ({index_name} is the authority)" if os.path.exists(index_path) else "", ", ".join(ignored),
         )
     ordered = dict(sorted(tensors.items(), key=lambda item: (item[1].file, item[1].offset)))
-    return CheckpointIndex(root, fmt, ordered, tuple(files), ignored, _read_config(root))
+    return CheckpointIndex(root, fmt, ordered, tuple(files), ignored, read_config(root))
 
 
 def resolve_inside(root: str, rel: str, source: str) -> str:
@@ -194,7 +194,7 @@ def _check_against_weight_map(tensors: dict[str, TensorEntry], weight_map: dict[
             )
 
 
-def _read_config(root: str) -> dict:
+def read_config(root: str) -> dict:
     path = os.path.join(root, "config.json")
     if not os.path.exists(path):
         return {}

@@ -33,6 +33,8 @@ import threading
 
 from distload.errors import DistloadError
 
+from .file_reads import advise_willneed, willneed_piece
+
 log = logging.getLogger("distload")
 
 # How much of the checkpoint to ask for: about what this disk delivers during the set-up it overlaps
@@ -83,8 +85,6 @@ class EarlyFetch:
         self._thread.start()
 
     def _run(self) -> None:
-        from .reader import advise_willneed, willneed_piece
-
         opened: dict[str, tuple[int, int]] = {}  # file -> (descriptor, its WILLNEED piece)
         try:
             for rel, offset, nbytes in self.ranges:

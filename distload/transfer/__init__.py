@@ -19,9 +19,10 @@ from .agreement import LostPeer, agree, agree_on_planning, report_together
 from .buffers import TransferStats, as_bytes2d, piece_bytes, typed2d, write_piece
 from .collectives import (all_gather_cat, all_gather_objects, all_reduce_sum, barrier, broadcast_object,
                           computed_on_rank0, outcome, shared_from_rank0)
-from .engine import Transfer, wire_layout, zero_padding
+from .engine import Transfer
 from .node_pull import NodePulls
+from .pieces import zero_padding
 
 __all__ = ["LostPeer", "NodePulls", "Transfer", "TransferStats", "agree", "agree_on_planning", "all_gather_cat", "all_gather_objects",
            "all_reduce_sum", "as_bytes2d", "barrier", "broadcast_object", "computed_on_rank0", "outcome", "report_together", "shared_from_rank0",
-           "piece_bytes", "typed2d", "wire_layout", "write_piece", "zero_padding"]
+           "piece_bytes", "typed2d", "write_piece", "zero_padding"]

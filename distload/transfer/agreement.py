@@ -14,7 +14,7 @@ import time
 import torch.distributed as dist
 
 from .. import faults
-from ..errors import RankFailure
+from ..errors import CheckpointError, RankFailure
 from .collectives import active, all_gather_objects, count_over_ranks, gather_int64, max_over_ranks
 
 
@@ -64,6 +64,25 @@ def agree(phase: str, error: BaseException | None, digest: int | None = None) ->
         # This rank failed itself: its own exception (type, traceback) is the most useful thing to raise.
         raise error
     raise rank_failure(phase, failures)
+
+
+def run_phase(name: str, fn, *, digest=None):
+    """Run one phase on this rank, then its agreement step; returns fn()'s result on every rank that got
+    one. Whatever fn raised, this rank still reaches the agreement (so no peer waits for it) and then
+    raises it; a rank that was fine raises RankFailure naming the ranks that failed.
+
+    digest (the planning phase): a function of the result giving a non-negative int that must be equal
+    on every rank; ranks holding different results are refused together (agree_on_planning)."""
+    result, error = None, None
+    try:
+        result = fn()
+    except BaseException as exc:  # every rank must reach the agreement step, whatever happened
+        error = exc
+    if digest is None:
+        agree(name, error)
+    else:
+        agree_on_planning(error, result, digest, phase=name)
+    return result
 
 
 def rank_failure(phase: str, failures: dict[int, str]) -> RankFailure:
@@ -171,15 +190,15 @@ def plan_digest(plan) -> int:
     return int(hashlib.sha256(repr((plan.buckets, [len(s) for s in plan.specs])).encode()).hexdigest()[:15], 16)
 
 
-def agree_on_planning(error: BaseException | None, plan) -> None:
+def agree_on_planning(error: BaseException | None, plan, digest=plan_digest, phase: str = "planning") -> None:
     """The planning phase's agreement step, which also checks that every rank holds the same plan: no
     control message ever travels, so ranks that planned differently (different distload versions or rules
     files on different nodes) would wait forever for bytes nobody sends. One all-reduce carries both (a
     failed rank, and the largest and smallest plan digest); the digests themselves are gathered only when
     they differ, to say which ranks hold which plan."""
     # Every rank takes part in the same collective: a rank that failed contributes digest 0 (its failure wins).
-    digest = plan_digest(plan) if error is None and plan is not None else 0
-    differ = agree("planning", error, digest=digest)
+    digest = digest(plan) if error is None and plan is not None else 0
+    differ = agree(phase, error, digest=digest)
     if not differ:
         return
     digests = [f"{d:015x}" for d in gather_int64(digest)]
@@ -189,3 +208,11 @@ def agree_on_planning(error: BaseException | None, plan) -> None:
     raise RankFailure("ranks computed different load plans (" + "; ".join(f"ranks {rs}: plan {d}" for d, rs in
                       groups.items()) + "): check that every node runs the same distload version, rules file "
                       "(--config) and options")
+
+
+def verdict_everywhere(phase: str, scan, verdict) -> None:
+    """Each rank runs `scan` (a phase); what every rank found makes one verdict (a message, None: fine),
+    raised identically on every rank as a CheckpointError."""
+    message = verdict(all_gather_objects(run_phase(phase, scan)))
+    if message is not None:
+        raise CheckpointError(message)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import host_memory
 from ..plan import Bucket
-from ..shard import view2d
+from ..plan.shard import view2d
 from .collectives import require_contiguous
 
 
@@ -111,15 +111,15 @@ class BufferPool:
 # out of a receive buffer, on the same CPUs that do the loading. Only two tiny messages per bucket and rank
 # travel on the wire: the reader's "bucket b is in slot k" token, and the receiver's "done with it" reply,
 # which lets the reader reuse the slot (and brings the timeouts and lost-peer handling of the wire). A memfd
-# has no name to leak: its memory goes when the last process using it exits, however it exits.
-SHM_TOKEN_BYTES = 32    # reader pid, fd, slot index, slot size (int64 each)
-SHM_DONE_BYTES = 8
+# has no name to leak: its memory goes when the last process using it exits, however it exits. The
+# token's and the reply's sizes are part of the wire (plan/wire.py).
 
 
-def shm_usable(world: int, device: torch.device) -> bool:
-    """Same answer on every rank of a node: same machine, same environment, same backend."""
-    return (world > 1 and device.type == "cpu" and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
-            and os.environ.get("DISTLOAD_SHM", "1") != "0" and dist.is_initialized() and dist.get_backend() == "gloo")
+def shm_usable(world: int, device: torch.device, allowed: bool) -> bool:
+    """Can ranks of one node share read buffers? allowed: the caller's choice (the same on every rank);
+    the rest is the same answer on every rank of a node: same machine, same backend."""
+    return (allowed and world > 1 and device.type == "cpu" and hasattr(os, "memfd_create")
+            and os.path.isdir("/proc/self/fd") and dist.is_initialized() and dist.get_backend() == "gloo")
 
 
 class SharedSlots:
@@ -132,6 +132,7 @@ class SharedSlots:
         self.slots = [self.tensor[i * self.slot_bytes:(i + 1) * self.slot_bytes] for i in range(count)]
 
     def token(self, buf: torch.Tensor) -> torch.Tensor:
+        """The token naming the slot that `buf` is (plan.wire.SHM_TOKEN_BYTES bytes)."""
         slot = (buf.data_ptr() - self.tensor.data_ptr()) // self.slot_bytes
         return torch.tensor([os.getpid(), self.fd, slot, self.slot_bytes], dtype=torch.int64).view(torch.uint8)
 

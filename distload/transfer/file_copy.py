@@ -20,9 +20,9 @@ import warnings
 import torch
 
 from .. import host_memory
-from ..checkpoint.reader import usable_cpus
+from ..checkpoint.strategy import usable_cpus
 from ..dtypes import torch_dtype
-from ..shard import view2d
+from ..plan.shard import view2d
 from .buffers import piece_bytes, write_piece
 
 

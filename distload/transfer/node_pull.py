@@ -16,10 +16,11 @@ copies and hand-offs, not storage reads. The bucketed transfer (engine.py) costs
 - nobody waits for anybody until the phase's agreement step, where a failed, killed or hung rank is
   found as on every other path.
 
-Only the readers open weight files, and each byte of the checkpoint is read from storage once. Used when
-every rank is on one node, params are host memory and the files are safetensors read as they are (no
-post-load steps); the readers decide whether they can lend their files (pull.py says when not) and tell
-every rank in the same broadcast, so a job where they cannot takes the bucketed path on every rank.
+Only the readers open weight files, and each byte of the checkpoint is read from storage once. Used on
+the route "node-pulls" (route.py decides it before any byte moves: one node, host params, files read as
+they are, the OS lets a process borrow another's files); should the handover itself fail (out of
+descriptors, ranks in separate process-id namespaces), every rank learns it in the same collective and
+the load takes the wire route, the report saying why.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..plan import Bucket, LoadPlan
 from .agreement import LostPeer
 from .buffers import TransferStats
 from .file_copy import Prefault, copy_piece
-from .pull import AllowPulls, borrow_fd, make_room_for_descriptors, why_not_usable
+from .pull import AllowPulls, borrow_fd, make_room_for_descriptors
 
 log = logging.getLogger("distload")
 
@@ -52,8 +53,7 @@ def _others_bytes(bucket: Bucket, world: int) -> int:
 
 
 class NodePulls:
-    """Fills this rank's params from its readers' open files; `run()` returns TransferStats, or None on
-    every rank when a reader cannot lend its files (then the caller runs the bucketed transfer)."""
+    """Fills this rank's params from its readers' open files: `handover()`, then `run()` (TransferStats)."""
 
     def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader: RangeReader):
         """reader: this rank's (every rank has one: a reader opens its files with it, the others read
@@ -80,12 +80,6 @@ class NodePulls:
         n, world = len(self.files), self.plan.layout.world
         table = torch.full((_TABLE_HEAD + n * (world + 1),), -1, dtype=torch.int64)
         table[0] = 0
-        why = why_not_usable()
-        if why is None and self.reader.strategy == "odirect":
-            why = "the reader reads with O_DIRECT, around the page cache"
-        if why is not None:
-            log.info("pulls from the reader's files: not here (%s); using the bucketed transfer", why)
-            return table
         mine = sorted(self._own_files)
         try:
             make_room_for_descriptors(len(mine) * world)
@@ -172,13 +166,14 @@ class NodePulls:
             if bucket.reader != self.rank:
                 self.stats.bytes_received += copied
 
-    def run(self) -> TransferStats | None:
-        world = self.plan.layout.world
+    def handover(self) -> str | None:
+        """Collective: every reader lends its node's ranks its open files and every rank takes the ones it
+        copies from; returns why not (the same on every rank; then the caller takes the wire route)."""
         allow = AllowPulls() if self._own_files else None
         try:
             tables = self._tables()
             if tables is None:
-                return None
+                return "a reader cannot open its files for every rank (out of descriptors?)"
             why = self._borrow(tables)
             # Everyone must have its descriptors before a reader stops allowing it, and a rank that could
             # not take them makes every rank take the bucketed path.
@@ -190,11 +185,16 @@ class NodePulls:
             if failed.item():
                 if why is not None:
                     log.warning("pulls from the reader's files: %s; every rank takes the bucketed transfer", why)
-                return None
+                return why or "another rank could not take its readers' descriptors"
+            return None
         finally:
             if allow is not None:
                 allow.close()
             self._close_lent()
+
+    def run(self) -> TransferStats:
+        """The copies (after a successful handover)."""
+        world = self.plan.layout.world
         ahead = Prefault(self.params, [(it.param, it.piece) for items in self._items for it in items], world)
         try:
             self._copy_all(world)

@@ -11,7 +11,7 @@ file, not a new open of the path) and reads its pieces through them straight int
 Linux only, same user: taking another process's descriptor needs the same permission as ptrace. Under
 Yama `ptrace_scope` 1 the reader allows its node's ranks with `PR_SET_PTRACER` while they borrow
 (AllowPulls); under 2 or 3 nobody can and the bucketed transfer is used. `DISTLOAD_PULL=0` turns pulls
-off.
+off (options.Tuning; transfer/route.py decides the route before any byte moves).
 """
 
 from __future__ import annotations
@@ -50,11 +50,14 @@ def _yama_scope() -> int:
         return 0  # no Yama: same user is enough
 
 
-def why_not_usable() -> str | None:
-    """None if this process can borrow a same-node reader's descriptors; otherwise why not (probed once)."""
+def why_not_usable(enabled: bool = True, strategy: str | None = None) -> str | None:
+    """None if this process can borrow a same-node reader's descriptors; otherwise why not (the OS is
+    probed once). enabled: Tuning.pull (DISTLOAD_PULL); strategy: the reader's read strategy."""
     global _usable
-    if os.environ.get("DISTLOAD_PULL", "1") == "0":
+    if not enabled:
         return "DISTLOAD_PULL=0"
+    if strategy == "odirect":
+        return "the reader reads with O_DIRECT, around the page cache"
     if _usable is False:
         _usable = _probe()
     return _usable

@@ -37,11 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import names
-from .checkpoint import CheckpointIndex, RangeReader, ReaderWrapper, TensorEntry
-from .checkpoint.discover import _read_config, resolve_inside
-from .dtypes import TORCH_TO_SAFETENSORS
-from .errors import CheckpointError
+from .. import names
+from ..dtypes import TORCH_TO_SAFETENSORS
+from ..errors import CheckpointError
+from ..rules import rules_for
+from .discover import CheckpointIndex, read_config, resolve_inside
+from .header import TensorEntry
+from .reader import RangeReader, ReaderWrapper
 
 log = logging.getLogger("distload")
 
@@ -235,14 +237,12 @@ def discover_dcp(root: str | os.PathLike, hf_config: str | None = None, rules_pa
     """Index a DCP directory: validate every chunk's placement before a tensor byte is read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .rules import rules_for
-
     root = os.path.abspath(root)
     config_dir = hf_config or root
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise CheckpointError(f"{root}: a DCP checkpoint has no config.json; pass --hf-config DIR, a directory "
                               f"holding the model's Hugging Face config.json")
-    config = _read_config(config_dir)
+    config = read_config(config_dir)
     metadata = read_metadata(root)
     tensors = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     if not tensors:

@@ -11,6 +11,10 @@ rows of dim 0 (`column`, `vocab`, `merged`, `qkv`) or columns of the last dim (`
     vocab      rows of block r after zero-padding n to a multiple of lcm(pad_to, p)
     merged     each part cut like column, concatenated in part order
     qkv        q by heads (H/p each); k, v by kv heads, or kv head r // (p/Hkv) when p > Hkv
+    kv         one tensor of Hkv equal head blocks (a k norm over the whole projection), cut like k above
+    qkv_grouped  one fused tensor packed per kv head (InternLM2 wqkv: per kv head its H/Hkv q heads, then
+               k, then v); rank r holds its kv groups whole, or when p > Hkv one group's share of q heads
+               and the group's k and v (replicated), keeping the packed order
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import PlanError
+from ..errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -139,21 +143,59 @@ def qkv_valid(heads: int, kv_heads: int, p: int) -> bool:
 
 def cut_qkv(parts, p, r, what, label="tp", heads=None, kv_heads=None, **_) -> LocalLayout:
     q, k, v = parts
+    _check_heads(heads, kv_heads, p, what, label)
+    head_dim = q.rows // heads
+    q_rows = (q.row0 + r * (heads // p) * head_dim, q.row0 + (r + 1) * (heads // p) * head_dim)
+    first, count = _kv_span(kv_heads, p, r)   # past p = Hkv: kv head r // (p / Hkv), replicated
+    k_rows = (k.row0 + first * head_dim, k.row0 + (first + count) * head_dim)
+    v_rows = (v.row0 + first * head_dim, v.row0 + (first + count) * head_dim)
+    return _stack_rows([(q, q_rows), (k, k_rows), (v, v_rows)])
+
+
+def _kv_span(kv_heads: int, p: int, r: int) -> tuple[int, int]:
+    """(first kv head, count) of rank r: kv heads split p ways, or head r // (p / Hkv) replicated."""
+    if p <= kv_heads:
+        return r * (kv_heads // p), kv_heads // p
+    return r // (p // kv_heads), 1
+
+
+def _check_heads(heads: int, kv_heads: int, p: int, what: str, label: str) -> None:
     if not qkv_valid(heads, kv_heads, p):
         sizes = valid_group_sizes(lambda x: qkv_valid(heads, kv_heads, x), upto=max(8, min(64, 2 * heads)))
         raise PlanError(f"{what}: num_attention_heads={heads}, num_key_value_heads={kv_heads}, {label}={p}: "
                         f"{label} must divide {heads} and divide {kv_heads} or be a multiple of it "
                         f"(try {label} {', '.join(map(str, sizes))})")
-    head_dim = q.rows // heads
-    q_rows = (q.row0 + r * (heads // p) * head_dim, q.row0 + (r + 1) * (heads // p) * head_dim)
-    if p <= kv_heads:
-        per = kv_heads // p
-        first, count = r * per, per
-    else:  # more ranks than kv heads: kv head r // (p / Hkv) is replicated on p / Hkv ranks
-        first, count = r // (p // kv_heads), 1
-    k_rows = (k.row0 + first * head_dim, k.row0 + (first + count) * head_dim)
-    v_rows = (v.row0 + first * head_dim, v.row0 + (first + count) * head_dim)
-    return _stack_rows([(q, q_rows), (k, k_rows), (v, v_rows)])
+
+
+def _head_rows(part: Part, count: int, what: str) -> int:
+    if part.rows % count:
+        raise PlanError(f"{what}: {part.source} has {part.rows} rows, not a whole number per head of {count} heads")
+    return part.rows // count
+
+
+def cut_kv(parts, p, r, what, label="tp", heads=None, kv_heads=None, **_) -> LocalLayout:
+    (part,) = parts
+    _check_heads(heads, kv_heads, p, what, label)
+    per_head = _head_rows(part, kv_heads, what)
+    first, count = _kv_span(kv_heads, p, r)
+    return _stack_rows([(part, (part.row0 + first * per_head, part.row0 + (first + count) * per_head))])
+
+
+def cut_qkv_grouped(parts, p, r, what, label="tp", heads=None, kv_heads=None, **_) -> LocalLayout:
+    (part,) = parts
+    _check_heads(heads, kv_heads, p, what, label)
+    q_per_group = heads // kv_heads
+    head_rows = _head_rows(part, kv_heads * (q_per_group + 2), what)
+    group_rows = (q_per_group + 2) * head_rows
+    first, count = _kv_span(kv_heads, p, r)
+    base = part.row0 + first * group_rows
+    if p <= kv_heads:  # whole groups, contiguous on disk
+        return _stack_rows([(part, (base, base + count * group_rows))])
+    share = heads // p                                  # q heads of this rank inside its group
+    j = r % (p // kv_heads)
+    q0 = base + j * share * head_rows
+    kv0 = base + q_per_group * head_rows
+    return _stack_rows([(part, (q0, q0 + share * head_rows)), (part, (kv0, kv0 + 2 * head_rows))])
 
 
 CUTS = {
@@ -163,7 +205,10 @@ CUTS = {
     "vocab": cut_vocab,
     "merged": cut_merged,
     "qkv": cut_qkv,
+    "kv": cut_kv,
+    "qkv_grouped": cut_qkv_grouped,
 }
+HEAD_STYLES = ("qkv", "kv", "qkv_grouped")   # the cuts that need heads and kv_heads from config.json
 
 
 def cut(style: str, parts: list[Part], p: int, r: int, what: str, label: str = "tp", **sizes) -> LocalLayout:

@@ -25,12 +25,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .checkpoint.header import TensorEntry
-from .dtypes import itemsize
-from .errors import CheckpointError, PlanError
-from .plan import Bucket, Delivery, LoadPlan, ParamSpec, Piece, Source, buckets_for, build_plan, interleaved
-from .shard import view2d
-from .topology import Layout
+from ..checkpoint.header import TensorEntry
+from ..dtypes import itemsize
+from ..errors import CheckpointError, PlanError
+from ..topology import Layout
+from .buckets import buckets_for, interleaved
+from .build import build_plan
+from .shard import Piece, view2d
+from .types import Bucket, Delivery, LoadPlan, ParamSpec, Source, is_broadcast
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -69,12 +71,6 @@ def saved_layout(manifest: dict) -> Layout:
                   expert_placement=manifest.get("expert_placement", "linear"), expert_map=expert_map)
 
 
-def _broadcast(deliveries, shape, world: int) -> bool:
-    rows, cols = view2d(shape)
-    full = {d.rank for d in deliveries if d.piece.rows == (0, rows) and d.piece.cols == (0, cols)}
-    return len(deliveries) == world and full == set(range(world))
-
-
 def _bucketed(sources: list[Source], reader_of: dict[str, int], world: int, staging_bytes: int) -> tuple[Bucket, ...]:
     """Buckets per reader (file order), interleaved so that every reader has work in flight (as build_plan)."""
     readers = sorted(set(reader_of.values()))
@@ -100,7 +96,7 @@ def same_topology_plan(manifest: dict, layout: Layout, staging_bytes: int) -> Lo
             rows, cols = view2d(spec.local_shape)
             ds = (Delivery(r, name, Piece(src, (0, rows), (0, cols), 0, 0)),)
             sources.append(Source(src, file, rec["offset"], spec.dtype, spec.local_shape, ds,
-                                  _broadcast(ds, spec.local_shape, world)))
+                                  is_broadcast(ds, spec.local_shape, world)))
             reader_of[src] = r
     return _plan(manifest, layout, specs, sources, reader_of, staging_bytes)
 
@@ -195,7 +191,7 @@ def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int) -> L
         file = rank_file(old_rank, old_world)
         shape = tuple(rec["local_shape"])
         src = Source(source_name(file, param), file, rec["offset"], manifest["params"][param]["dtype"], shape,
-                     tuple(ds), _broadcast(ds, shape, layout.world))
+                     tuple(ds), is_broadcast(ds, shape, layout.world))
         sources.append(src)
         reader_of[src.name] = old_rank % layout.world
     return _plan(manifest, layout, new.specs, sources, reader_of, staging_bytes)

@@ -11,16 +11,16 @@ each piece is one `preadv` into the param (whole rows) or one strided copy out o
 
 Across nodes this would read a tensor once per node that needs it, which is what readers exist to avoid:
 topology refuses `owners` on more than one node. Post-load steps (quantization), torch.load files and
-DCP checkpoints take the normal path (loader.py says so in the log).
+DCP checkpoints take the bucketed transfer (route.py says why).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .plan import LoadPlan
-from .transfer import TransferStats
-from .transfer.file_copy import Prefault, copy_piece
+from ..plan import LoadPlan
+from .buffers import TransferStats
+from .file_copy import Prefault, copy_piece
 
 
 class OwnerReads:

@@ -1,0 +1,28 @@
+"""Planning, pure: (checkpoint index, rules, config.json, layout) -> LoadPlan, with no I/O and no process group.
+
+    types.py          the plan's value types (ParamSpec, Source, Bucket, Item, LoadPlan, ...)
+    targets.py        rules expanded into targets, matched against the checkpoint
+    experts.py        expert placement: which ranks host which experts
+    parts.py          a target's logical parts, sizes checked against config.json
+    shard.py          the table of cuts: style + parts + (p, r) -> the pieces rank r holds
+    layouts.py        per target and rank: its spec and the pieces that fill it
+    spans.py          which rows each reader reads
+    buckets.py        reader spans -> chunks -> buckets, interleaved across readers
+    quant.py          FP8 schemes and the scale companions of quantized weights
+    quant_layouts.py  the companions' cuts, derived from their weights'
+    quant_steps.py    final specs and post-load steps (requantize, quantize, dequantize)
+    expected_shapes.py  every claimed tensor's full shape and dtype, from the rules' shape/dtype keys
+    build.py          build_plan: the above in order
+    wire.py           per bucket and rank: the wire ops each side posts (sender and receiver agree)
+    reshard.py        plans that reload (and re-cut) a sharded save
+"""
+
+from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
+from .build import build_plan
+from .experts import expert_hosts
+from .shard import LocalLayout, Part, Piece, view2d
+from .types import Bucket, Chunk, Delivery, Item, LoadPlan, ParamSpec, Source, Target, broadcast_offset, clip
+
+__all__ = ["DEFAULT_STAGING_BYTES", "Bucket", "Chunk", "Delivery", "Item", "LoadPlan", "LocalLayout", "ParamSpec",
+           "Part", "Piece", "Source", "Target", "broadcast_offset", "buckets_for", "build_plan", "clip",
+           "expert_hosts", "interleaved", "view2d"]

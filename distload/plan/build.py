@@ -1,0 +1,100 @@
+"""The load plan: a pure function (checkpoint index, rules, config, layout) -> LoadPlan.
+
+Every rank computes the same plan from the same metadata, so no per-tensor control message ever
+travels: a receiver knows from the plan which bytes arrive, in which order, and where they go. All
+validation (names, shapes, dtypes, divisibility) happens here, before any byte is read.
+"""
+
+from __future__ import annotations
+
+from .. import names
+from ..rules import FamilyRules
+from ..topology import Layout
+from . import expected_shapes, quant, quant_layouts, quant_steps
+from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
+from .experts import expert_hosts
+from .layouts import Planned, layouts_for_target, relayout
+from .spans import reader_spans
+from .targets import expand_targets, match_checkpoint
+from .types import Delivery, LoadPlan, ParamSpec, Source, is_broadcast
+
+
+def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
+               strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, quantize: str | None = None,
+               dequantize: bool = False) -> LoadPlan:
+    """Plan the whole load. `tensors` maps checkpoint names to entries (name, file, offset, dtype, shape).
+
+    quantize ('fp8' | 'fp8-block'): quantize the linear weights on each rank as they land; dequantize:
+    turn an FP8 checkpoint's weights into BF16 (see quant_steps.py).
+    """
+    targets, tied = expand_targets(rules, config, tensors)
+    # A quantized checkpoint's scales travel with their weights: targets derived from config.json.
+    scheme = quant.checkpoint_scheme(config)
+    companions = quant.companions(targets, tensors, scheme)
+    match = match_checkpoint(targets, companions, tied, tensors, rules, config, strict)
+    by_name = {t.name: t for t in match.targets}
+    companions = [c for c in companions if c.weight in by_name]
+
+    hosts = None
+    if any(t.rule.style == "expert" for t in match.targets):
+        hosts = expert_hosts(rules.dim(config, "experts"), layout)
+    planned = {t.name: layouts_for_target(t, tensors, rules, config, layout, hosts) for t in match.targets}
+    # Every claimed tensor against the full shape and dtype the rules imply (the cuts above check only the
+    # sizes they use), before any byte is read.
+    expected_shapes.check_shapes(match.targets, tensors, rules, config)
+    expected_shapes.check_dtypes(match.targets, companions, tensors, quantized=scheme is not None)
+    for c in companions:  # cut from the weight's own layout, so weight and scale shards always match
+        t = by_name[c.weight]
+        group = layout.expert_group_size if t.rule.style == "expert" else layout.tp
+        planned[c.name] = quant_layouts.companion_layouts(c, t, *planned[c.weight], tensors, scheme, group,
+                                                          lambda q, t=t: relayout(t, tensors, rules, config, q))
+    specs, deliveries = _per_rank(planned, layout.world)
+    _add_aliases(specs, tied)
+    final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
+                                                     quantize=quantize, dequantize=dequantize)
+
+    sources = _sources(deliveries, tensors, layout.world)
+    runs = reader_spans(sources, layout)
+    buckets = interleaved({r: buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers},
+                          layout.readers)
+    notes = []
+    if match.ignored:
+        notes.append(f"ignored by rule: {names.describe(match.ignored)}")
+    if quantization:
+        notes.append(f"quantization: {quantization}")
+    return LoadPlan(family=rules.name, layout=layout, specs=tuple(final), sources={s.name: s for s in sources},
+                    buckets=buckets, missing=tuple(match.missing), unexpected=tuple(match.unexpected),
+                    ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes),
+                    staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization)
+
+
+def _per_rank(planned: dict[str, Planned], world: int) -> tuple[list[dict[str, ParamSpec]], dict[str, list[Delivery]]]:
+    """Per rank its specs, and per checkpoint source the deliveries of its pieces (in planning order)."""
+    specs: list[dict[str, ParamSpec]] = [dict() for _ in range(world)]
+    deliveries: dict[str, list[Delivery]] = {}
+    for name, (t_specs, lays) in planned.items():
+        for r, (spec, lay) in enumerate(zip(t_specs, lays)):
+            specs[r][name] = spec
+            for piece in lay.pieces:
+                deliveries.setdefault(piece.source, []).append(Delivery(r, name, piece))
+    return specs, deliveries
+
+
+def _add_aliases(specs: list[dict[str, ParamSpec]], tied: dict[str, str]) -> None:
+    """A tied alias is the spec of the param it aliases, marked alias_of: loaded once, never read twice."""
+    for alias, to in tied.items():
+        for rank_specs in specs:
+            if to in rank_specs:
+                base = rank_specs[to]
+                rank_specs[alias] = ParamSpec(alias, base.style, base.dtype, base.global_shape, base.local_shape,
+                                              base.padding, alias_of=to)
+
+
+def _sources(deliveries: dict[str, list[Delivery]], tensors: dict, world: int) -> list[Source]:
+    """The sources that anyone receives, in file order (file, then offset)."""
+    sources = []
+    for name in sorted(deliveries, key=lambda n: (tensors[n].file, tensors[n].offset)):
+        e = tensors[name]
+        ds = tuple(deliveries[name])
+        sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ds, is_broadcast(ds, e.shape, world)))
+    return sources

@@ -1,0 +1,200 @@
+"""Every checkpoint tensor a rule claims, checked against the full shape and dtype the rules and config.json
+imply, before any byte is read (DESIGN §4.5: shape-blind loads are silent wrong loads).
+
+A param's *logical* shape is its `shape` in the rules (one dim expression per axis; for style expert the shape
+of one expert), or, where a style fixes it, derived: vocab = [vocab, hidden], qkv = [(heads + 2 * kv_heads) *
+head_dim, hidden] (a bias: no hidden). Each source's expected shape follows from the form: one source holds the
+whole param (stacked experts: [experts, *shape]); several sources split its dim 0 (q/k/v by heads, `split`
+dims, else equal parts); `transposed` sources store it with the last two axes swapped.
+
+Dtype policy (one place, explicit): a param is floating point. `dtype = "float"` (the default) takes the
+checkpoint's weight dtype, the float dtype holding the most bytes, and no other width: distload never casts,
+so a param of another width would load as stored. `dtype = "any-float"` accepts any float width (norms or
+routers some checkpoints keep in F32). FP8 only where config.json declares a quantization (quant_plan checks
+the scales); integer and bool dtypes are always refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from .. import dim_expr
+from ..errors import PlanError, RuleError
+
+FLOATS = ("F64", "F32", "F16", "BF16")
+FP8S = ("F8_E4M3", "F8_E5M2")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What one checkpoint tensor must look like, and where each number came from."""
+    source: str
+    shape: tuple[int, ...]
+    formula: tuple[str, ...]        # per axis, the expression that gave it
+    keys: tuple[str, ...]           # config.json keys used
+    transposed: bool = False        # stored with the last two axes swapped
+
+
+@dataclass(frozen=True)
+class LogicalShape:
+    shape: tuple[int, ...]
+    formula: tuple[str, ...]
+    keys: tuple[str, ...]
+    values: dict                    # dim name -> value, for messages
+
+
+def shape_exprs(rule, target_name: str, rules) -> tuple[str, ...]:
+    """The rule's declared shape, or the one its style implies; () when neither gives one."""
+    if rule.shape:
+        return rule.shape
+    style = rule.inner if rule.style == "expert" else rule.style
+    have = set(rules.dims)
+    if style == "vocab" and {"vocab", "hidden"} <= have:
+        return ("vocab", "hidden")
+    if style in ("qkv", "qkv_grouped") and {"heads", "kv_heads", "head_dim", "hidden"} <= have:
+        rows = "(heads + 2 * kv_heads) * head_dim"
+        return (rows,) if target_name.endswith(".bias") else (rows, "hidden")
+    return ()
+
+
+def logical_shape(rule, target_name: str, rules, config: dict) -> LogicalShape | None:
+    """The param's full logical shape from its rule and config.json; None when the rule gives none."""
+    exprs = shape_exprs(rule, target_name, rules)
+    if not exprs:
+        return None
+    keys, values = [], {}
+
+    def lookup(dim_name: str):
+        value, used = rules.dim_keys(config, dim_name)
+        keys.extend(used)
+        values[dim_name] = value
+        return value
+
+    where = f"{rules.source}: params.{rule.target!r} shape"
+    shape = tuple(dim_expr.evaluate(e, lookup, where)[0] for e in exprs)
+    return LogicalShape(shape, tuple(exprs), tuple(dict.fromkeys(keys)), values)
+
+
+def _row_splits(rule, sources: int, logical: LogicalShape, rules, config: dict) -> list[tuple[int, str]]:
+    """(rows, formula) of each of `sources` parts that split dim 0 of the logical shape."""
+    style = rule.inner if rule.style == "expert" else rule.style
+    if style == "qkv" and sources == 3:
+        heads, kv, hd = (rules.dim(config, d) for d in ("heads", "kv_heads", "head_dim"))
+        return [(heads * hd, "heads * head_dim"), (kv * hd, "kv_heads * head_dim"), (kv * hd, "kv_heads * head_dim")]
+    if rule.split and len(rule.split) == sources:
+        return [(rules.dim(config, d), d) for d in rule.split]
+    total, formula = logical.shape[0], logical.formula[0]
+    if total % sources:
+        raise RuleError(f"{rules.source}: params.{rule.target!r}: {sources} parts split dim 0 = {total} ({formula}) "
+                        f"unevenly; give `split` with the rows of each part")
+    return [(total // sources, f"({formula}) / {sources}")] * sources
+
+
+def expected_sources(target, rules, config: dict) -> list[Expected]:
+    """The expected shape of every checkpoint tensor of one expanded target (empty: the rule gives no shape)."""
+    rule = target.rule
+    logical = logical_shape(rule, target.name, rules, config)
+    if logical is None:
+        return []
+    keys, transposed = logical.keys, False
+    if rule.style == "expert" and rule.stacked:
+        experts, used = rules.dim_keys(config, "experts")
+        (src,) = target.sources
+        return [Expected(src, (experts,) + logical.shape, ("experts",) + logical.formula,
+                         tuple(dict.fromkeys(used + keys)), transposed)]
+    groups = target.expert_sources if rule.style == "expert" else (target.sources,)
+    out = []
+    for sources in groups:
+        if len(sources) == 1:
+            out.append(Expected(sources[0], logical.shape, logical.formula, keys, transposed))
+            continue
+        for src, (rows, formula) in zip(sources, _row_splits(rule, len(sources), logical, rules, config)):
+            out.append(Expected(src, (rows,) + logical.shape[1:], (formula,) + logical.formula[1:], keys, transposed))
+    return out
+
+
+def stored_shape(expected: Expected) -> tuple[int, ...]:
+    """The shape on disk: the logical one, or with its last two axes swapped for a transposed source."""
+    shape = expected.shape
+    if expected.transposed and len(shape) >= 2:
+        return shape[:-2] + (shape[-1], shape[-2])
+    return shape
+
+
+def _config_values(keys, config: dict) -> str:
+    return ", ".join(f"{k}={config.get(k)}" for k in keys) or "no config.json keys"
+
+
+def mismatch_message(target_name: str, expected: Expected, found: tuple[int, ...], rules, config: dict) -> str:
+    want = stored_shape(expected)
+    formula = list(expected.formula)
+    if expected.transposed and len(formula) >= 2:
+        formula[-2:] = formula[-1], formula[-2]
+    src = expected.source
+    if len(found) != len(want):
+        detail = f"{src} has {len(found)} dims but the rule gives {len(want)}"
+    else:
+        axis = next(i for i, (f, w) in enumerate(zip(found, want)) if f != w)
+        what = "rows" if axis == 0 else f"in dim {axis}"
+        detail = f"{src} has {found[axis]} {what} but config.json says {formula[axis]} = {want[axis]}"
+    detail += (f"; param {target_name} (rules {rules.source}) expects {list(want)} = [{', '.join(formula)}] "
+               f"(from config.json {_config_values(expected.keys, config)}), found {list(found)}")
+    hint = "config.json and the checkpoint disagree, or the rule is wrong for this checkpoint"
+    if len(found) >= 2 and tuple(found[:-2]) + (found[-1], found[-2]) == tuple(want):
+        hint = ("the tensor looks transposed ([in, out] storage): re-save it, or declare the part "
+                "`transposed = true` in the rule if the checkpoint always stores it that way")
+    elif math.prod(found) == math.prod(want) and len(found) == len(want):
+        hint = "same number of elements in another arrangement: " + hint
+    return f"{detail}: {hint}"
+
+
+def check_shapes(targets, tensors: dict, rules, config: dict) -> int:
+    """PlanError at the first claimed tensor whose shape is not what the rules imply; returns how many were checked."""
+    checked = 0
+    for t in targets:
+        for expected in expected_sources(t, rules, config):
+            found = tuple(tensors[expected.source].shape)
+            if found != stored_shape(expected):
+                raise PlanError(mismatch_message(t.name, expected, found, rules, config))
+            checked += 1
+    return checked
+
+
+def weight_dtype(targets, tensors: dict) -> str | None:
+    """The checkpoint's weight dtype: the float dtype holding the most bytes of the claimed tensors."""
+    nbytes = Counter()
+    for t in targets:
+        for s in t.sources:
+            e = tensors[s]
+            if e.dtype in FLOATS and t.rule.dtype == "float":
+                nbytes[e.dtype] += e.nbytes
+    return nbytes.most_common(1)[0][0] if nbytes else None
+
+
+def check_dtypes(targets, companions, tensors: dict, quantized: bool) -> None:
+    """PlanError at the first claimed tensor whose dtype the policy above refuses."""
+    main = weight_dtype(targets, tensors)
+    for t in targets:
+        for s in t.sources:
+            dtype = tensors[s].dtype
+            if dtype in FP8S:
+                if not quantized:
+                    raise PlanError(f"{s}: stored as {dtype}, but config.json declares no quantization_config; an FP8 "
+                                    f"weight without its scheme would load as raw FP8 values: add the checkpoint's "
+                                    f"quantization_config or re-save it in a float dtype")
+                continue
+            if dtype not in FLOATS:
+                raise PlanError(f"{s}: stored as {dtype}, but param {t.name} is floating point; integer and bool "
+                                f"dtypes are refused (the checkpoint is damaged or mislabelled): re-save it")
+            mixed = len({tensors[x].dtype for x in t.sources}) > 1   # the plan names both parts' dtypes
+            if t.rule.dtype == "float" and dtype != main and not mixed:
+                raise PlanError(f"{s}: stored as {dtype}, but the checkpoint's weights are {main} and the rule for "
+                                f"{t.name} allows no other width (distload does not cast): re-save the checkpoint "
+                                f"in one dtype, or declare dtype = \"any-float\" for this param in the rules")
+    for c in companions:
+        for s in c.sources:
+            if tensors[s].dtype not in FLOATS:
+                raise PlanError(f"{s}: a quantization scale stored as {tensors[s].dtype}; scales are float (F32, "
+                                f"BF16, F16): the checkpoint is damaged or mislabelled")

@@ -1,0 +1,164 @@
+"""Scale companions' layouts, derived from their weight's, so weight and scale shards always match.
+
+    per-part   (per-tensor scales, input scales) one scalar per distinct weight source; every rank gets
+               all of them in source order: [n_sources], experts [local experts, n_parts]
+    block      the weight's pieces mapped onto the block grid: rows [a, b) -> scale rows [a/bn, ceil(b/bn));
+               a piece whose edge falls inside a block is refused while planning, with the tp values
+               that work (a scale row cannot belong to two ranks' different rows)
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import PlanError
+from .quant import Companion, Scheme
+from .shard import LocalLayout, Piece, view2d
+from .types import ParamSpec
+
+def companion_layouts(c: Companion, target, weight_specs: list, weight_lays: list[LocalLayout], tensors: dict,
+                      scheme: Scheme, group: int, relayout) -> tuple[list, list[LocalLayout]]:
+    """Per rank (spec, layout) of companion `c`, from its weight's per-rank specs and layouts.
+
+    group: the size of the group the weight is cut over (tp; for experts, ranks per expert group);
+    relayout(q) -> the weight's (specs, layouts) at group size q, called only when a block is split,
+    to name the sizes that work.
+    """
+    if c.role == "weight" and scheme.block:
+        return _block_layouts(c, target, weight_specs, weight_lays, tensors, scheme, group, relayout)
+    return _per_part_layouts(c, target, weight_specs, tensors)
+
+
+def _per_part_layouts(c: Companion, target, weight_specs, tensors):
+    scale_of = dict(c.scale_of)
+    entries = [tensors[s] for s in c.sources]
+    not_scalar = [f"{e.name}{list(e.shape)}" for e in entries if math.prod(e.shape) != 1]
+    if not_scalar:
+        raise PlanError(f"{c.name}: per-tensor scales must hold one value, got {', '.join(not_scalar)}; "
+                        f"check quantization_config (a block or channel scheme?)")
+    dtypes = sorted({e.dtype for e in entries})
+    if len(dtypes) > 1:
+        raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
+    specs, lays = [], []
+    if target.rule.style == "expert":
+        if target.rule.stacked:
+            raise PlanError(f"{c.name}: per-tensor scales of experts stacked on disk are not supported; "
+                            f"use a block-FP8 or per-expert checkpoint")
+        n_parts = len(target.expert_sources[0])
+        for w in weight_specs:
+            shape = (len(w.experts), n_parts) if n_parts > 1 else (len(w.experts),)
+            pieces = tuple(Piece(scale_of[s], (0, 1), (0, 1), slot, j)
+                           for slot, e in enumerate(w.experts) for j, s in enumerate(target.expert_sources[e]))
+            lays.append(LocalLayout(*view2d(shape), pieces))
+            glob = (w.global_shape[0], n_parts) if n_parts > 1 else (w.global_shape[0],)
+            specs.append(ParamSpec(c.name, "expert", dtypes[0], glob, shape, experts=w.experts))
+        return specs, lays
+    if len(c.sources) == 1:  # one source (also a fused one on disk): its scalar, as it is, on every rank
+        (entry,) = entries
+        for _ in weight_specs:
+            lays.append(LocalLayout(1, 1, (Piece(entry.name, (0, 1), (0, 1), 0, 0),)))
+            specs.append(ParamSpec(c.name, "replicate", entry.dtype, tuple(entry.shape), tuple(entry.shape)))
+        return specs, lays
+    shape = (len(c.sources),)
+    for _ in weight_specs:
+        lays.append(LocalLayout(len(c.sources), 1, tuple(Piece(s, (0, 1), (0, 1), i, 0) for i, s in enumerate(c.sources))))
+        specs.append(ParamSpec(c.name, "replicate", dtypes[0], shape, shape))
+    return specs, lays
+
+
+class _SplitBlock(Exception):
+    """A weight piece whose edge falls inside a block (internal: becomes a PlanError with hints)."""
+
+
+def _matrix_dims(shape: tuple[int, ...], what: str) -> tuple[int, int]:
+    if len(shape) not in (2, 3):
+        raise PlanError(f"{what}: block FP8 needs a [N, K] or [experts, N, K] weight, got shape {list(shape)}")
+    return shape[-2], shape[-1]
+
+
+def block_scale_shape(shape, block) -> tuple[int, ...]:
+    *lead, n, k = shape
+    return (*lead, -(-n // block[0]), -(-k // block[1]))
+
+
+def _block_pieces(lay: LocalLayout, spec, scale_of: dict, tensors: dict, block) -> tuple[Piece, ...]:
+    """The weight's pieces on the block grid; _SplitBlock when an edge falls inside a block."""
+    bn, bk = block
+    n_loc, k_loc = _matrix_dims(spec.local_shape, spec.name)
+    nb_loc = -(-n_loc // bn)
+    out = []
+    for pc in lay.pieces:
+        n, k = _matrix_dims(tuple(tensors[pc.source].shape), pc.source)
+        e, a0 = divmod(pc.rows[0], n)
+        a1 = pc.rows[1] - e * n
+        slot, d = divmod(pc.dst_row, n_loc)
+        if a1 > n:
+            raise PlanError(f"{spec.name}: a piece of {pc.source} spans several matrices; block scales cannot follow it")
+        (c0, c1), dc = pc.cols, pc.dst_col
+        for what, lo, hi, edge, dst, size, b, dst_size in (("row", a0, a1, n, d, a1 - a0, bn, n_loc),
+                                                          ("column", c0, c1, k, dc, c1 - c0, bk, k_loc)):
+            # A piece starts on a block edge (in the source and in the param) and ends on one, or ends
+            # at the source's partial last block exactly where the param's matrix ends.
+            if lo % b or dst % b:
+                raise _SplitBlock(f"cuts {pc.source} at {what} {lo if lo % b else dst}")
+            if hi % b and not (hi == edge and dst + size == dst_size):
+                raise _SplitBlock(f"cuts {pc.source} at {what} {hi}")
+        nb = -(-n // bn)
+        out.append(Piece(scale_of[pc.source], (e * nb + a0 // bn, e * nb + -(-a1 // bn)), (c0 // bk, -(-c1 // bk)),
+                         slot * nb_loc + d // bn, dc // bk))
+    local = block_scale_shape(spec.local_shape, block)
+    if sum(p.numel for p in out) != math.prod(local):
+        raise PlanError(f"{spec.name}: its pieces do not tile the block grid {list(local)} (padded or overlapping "
+                        f"shard?); block scales cannot be cut for this param")
+    return tuple(out)
+
+
+def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, scheme: Scheme, group: int, relayout):
+    block = scheme.block
+    scale_of = dict(c.scale_of)
+    for w_src, s_src in c.scale_of:
+        want = block_scale_shape(tuple(tensors[w_src].shape), block)
+        if tuple(tensors[s_src].shape) != want:
+            raise PlanError(f"{s_src}: shape {list(tensors[s_src].shape)}, but {w_src} {list(tensors[w_src].shape)} "
+                            f"with block {list(block)} ({scheme.where}) needs {list(want)}; the block size in "
+                            f"config.json does not match the checkpoint")
+    dtypes = sorted({tensors[s].dtype for s in c.sources})
+    if len(dtypes) > 1:
+        raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
+    try:
+        pieces = [_block_pieces(lay, w, scale_of, tensors, block) for lay, w in zip(weight_lays, weight_specs)]
+    except _SplitBlock as split:
+        raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
+    distinct = list(dict.fromkeys(c.sources))
+    rows = sum(view2d(tuple(tensors[s].shape))[0] for s in distinct)
+    cols = view2d(tuple(tensors[distinct[0]].shape))[1]
+    specs, lays = [], []
+    for w, ps in zip(weight_specs, pieces):
+        local = block_scale_shape(w.local_shape, block)
+        if w.style == "expert":
+            glob = (w.global_shape[0],) + block_scale_shape(w.global_shape[1:], block)
+        else:
+            glob = (rows, cols)
+        lays.append(LocalLayout(*view2d(local), ps))
+        specs.append(ParamSpec(c.name, w.style, dtypes[0], glob, local, experts=w.experts))
+    return specs, lays
+
+
+def _split_error(c: Companion, target, split: _SplitBlock, tensors, scheme: Scheme, group: int, relayout) -> PlanError:
+    label = "ranks per expert group (world/ep)" if target.rule.style == "expert" else "tp"
+    valid = []
+    for q in range(1, 65):
+        try:
+            specs, lays = relayout(q)
+            for lay, w in zip(lays, specs):
+                _block_pieces(lay, w, dict(c.scale_of), tensors, scheme.block)
+        except (_SplitBlock, PlanError):
+            continue
+        valid.append(q)
+    bn, bk = scheme.block
+    hint = (f"try {label} {', '.join(map(str, valid))}" if valid else
+            "no tp works: a part's size is not a multiple of the block; re-quantize with a block that divides it")
+    return PlanError(f"{target.name} (rule {target.rule.style}, block FP8 [{bn}, {bk}] from {scheme.where}): "
+                     f"{label}={group} {split}, inside a [{bn}, {bk}] block of its {c.name.rsplit('.', 1)[-1]}; a "
+                     f"weight and its block scales are cut together, so every shard edge must fall on a block edge "
+                     f"({hint})")

@@ -1,0 +1,114 @@
+"""Rules -> targets: the family's templates expanded over config.json's loops, matched to the checkpoint.
+
+A target is one serving param and the checkpoint tensors it is made of. Matching says which checkpoint
+tensors no target claims (`unexpected`), which a target needs but the checkpoint lacks (`missing`), and
+which are dropped on purpose (`ignored`: a `drop` rule, or a tied alias's own copy).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .. import loop_sets, names
+from ..errors import PlanError, RuleError
+from ..rules import FamilyRules, ParamRule
+from .types import Target
+
+
+def loop_ranges(rules: FamilyRules, config: dict) -> dict[str, range]:
+    return {var: range(rules.dim(config, dim)) for var, dim in rules.loops.items()}
+
+
+def expand_all(template: str, ranges: dict[str, range], fixed: dict[str, int] | None = None) -> list[tuple[dict, str]]:
+    """Every (loop values, name) of `template` over `ranges`, with `fixed` variables held."""
+    fixed = fixed or {}
+    free = [v for v in names.variables(template) if v not in fixed]
+    out = []
+    for combo in itertools.product(*(ranges[v] for v in free)):
+        values = {**fixed, **dict(zip(free, combo))}
+        out.append((values, names.expand(template, **values)))
+    return out
+
+
+def _in_sets(rule: ParamRule, rules: FamilyRules, config: dict, ranges: dict[str, range]):
+    """A predicate on a target's loop values: does the target exist there (`only` / `unless` a [sets] name)?"""
+    checks = []
+    for set_name, want in ((rule.only, True), (rule.unless, False)):
+        if set_name is not None:
+            loop = rules.sets[set_name].loop
+            checks.append((loop, rules.members(config, set_name, ranges[loop]), want))
+    return lambda values: all((values[loop] in members) == want for loop, members, want in checks)
+
+
+def _expand_form(form: ParamRule, name: str, values: dict, ranges: dict[str, range]) -> Target:
+    if form.style == "expert" and not form.stacked:
+        per_expert = tuple(tuple(names.expand(p, **values, expert=e) for p in form.parts) for e in ranges["expert"])
+        return Target(name, form, tuple(s for ss in per_expert for s in ss), per_expert)
+    return Target(name, form, tuple(names.expand(p, **values) for p in form.parts))
+
+
+def expand_targets(rules: FamilyRules, config: dict, tensors) -> tuple[list[Target], dict[str, str]]:
+    """Expanded targets, and the tied targets {alias: param it aliases} active for this config.
+
+    A rule with alternative checkpoint forms (per-expert or stacked experts, ...) takes, per target, the
+    first form whose tensors are all in the checkpoint, else the most complete one (so `missing` names
+    what is really absent).
+    """
+    ranges = loop_ranges(rules, config)
+    tied = {t.target: t.to for t in rules.ties if config.get(t.when)}
+    targets = []
+    for rule in rules.params:
+        if rule.when is not None and not config.get(rule.when):
+            continue  # e.g. Cohere's q/k norms exist only with use_qk_norm
+        exists = _in_sets(rule, rules, config, ranges)
+        for values, name in expand_all(rule.target, ranges):
+            if name in tied or not exists(values):
+                continue
+            forms = [_expand_form(form, name, values, ranges) for form in rule.forms]
+            present = [sum(s in tensors for s in t.sources) for t in forms]
+            complete = [t for t, n in zip(forms, present) if n == len(t.sources)]
+            targets.append(complete[0] if complete else forms[present.index(max(present))])
+    return targets, tied
+
+
+@dataclass(frozen=True)
+class Match:
+    """The checkpoint against the targets: what is planned and what is not, each name list sorted."""
+    targets: list[Target]               # the targets whose every source is in the checkpoint
+    missing: list[str]
+    unexpected: list[str]
+    ignored: list[str]
+
+
+def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str], tensors, rules: FamilyRules,
+                     config: dict, strict: bool) -> Match:
+    """Match the checkpoint's tensors to `targets` (and `claimants`, e.g. scale companions, which claim
+    sources too); strict: refuse any missing or unexpected tensor, naming them and the fix."""
+    claimed: dict[str, str] = {}
+    for t in targets + claimants:
+        for s in t.sources:
+            if s in claimed:
+                raise RuleError(f"{rules.source}: checkpoint tensor {s!r} is claimed by both {claimed[s]!r} and {t.name!r}")
+            claimed[s] = t.name
+    # Sources of a tied alias that the checkpoint still carries are read by nobody: the alias is the embedding.
+    tied_sources = set()
+    for alias in tied:
+        for rule in rules.params:
+            if rule.target == alias:
+                tied_sources.update(p for form in rule.forms for p in form.parts)
+    dropped = {n for n in tensors if any(names.match(t, n) is not None for t in rules.drop)}
+    dropped |= loop_sets.past_loops(rules.drop_past, tensors, loop_ranges(rules, config))
+    ignored = sorted(dropped | (tied_sources & set(tensors)))
+    missing_by_target = {t.name: [s for s in t.sources if s not in tensors] for t in targets}
+    missing = sorted(s for ss in missing_by_target.values() for s in ss)
+    unexpected = sorted(set(tensors) - set(claimed) - set(ignored))
+    if strict and (missing or unexpected):
+        msg = [f"checkpoint does not match rules {rules.source} (family {rules.name})"]
+        if missing:
+            msg.append(f"missing {len(missing)} tensor(s): {names.describe(missing)}")
+        if unexpected:
+            msg.append(f"unexpected {len(unexpected)} tensor(s): {names.describe(unexpected)}")
+        msg.append("fix: use the rules file for this architecture (--config PATH), or pass --no-strict to load what matches")
+        raise PlanError("; ".join(msg))
+    return Match([t for t in targets if not missing_by_target[t.name]], missing, unexpected, ignored)

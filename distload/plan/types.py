@@ -1,0 +1,190 @@
+"""The plan's value types: what one rank holds, what is read, what travels in which bucket.
+
+Vocabulary: a *source* is a checkpoint tensor; a *param* is a target tensor in the serving layout; a
+*delivery* is one rectangle of a source (2-D view) that one rank copies into one of its params; a
+*chunk* is a row range of a source (the unit of reading, so a huge embedding never needs a staging
+buffer of its own size); a *bucket* is a run of chunks read by one reader and sent as one collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from ..dtypes import itemsize
+from ..rules import ParamRule
+from ..topology import Layout
+from .shard import Piece, view2d
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One param as one rank holds it."""
+    name: str
+    style: str
+    dtype: str                                   # safetensors dtype name
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    padding: tuple[tuple[int, int, int, int], ...] = ()   # zero regions of the local 2-D view
+    alias_of: str | None = None                  # tied: same tensor object as that param
+    experts: tuple[int, ...] = ()                # expert params: global expert id of each local slot
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.local_shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One expanded param: its name and, per logical part, the source it comes from."""
+    name: str
+    rule: ParamRule
+    sources: tuple[str, ...]            # distinct source names (fused: one)
+    expert_sources: tuple[tuple[str, ...], ...] = ()   # style expert: per global expert, its sources
+
+
+@dataclass(frozen=True)
+class Delivery:
+    rank: int
+    param: str
+    piece: Piece
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint tensor that is read, and where its pieces go."""
+    name: str
+    file: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    deliveries: tuple[Delivery, ...]
+    broadcast: bool                              # every rank receives the whole tensor
+
+    # Cached: planning asks for these thousands of times per plan; a Source never changes, and cached
+    # values are not fields (equality, hashing, repr and the plan digest ignore them).
+    @functools.cached_property
+    def rows(self) -> int:
+        return view2d(self.shape)[0]
+
+    @functools.cached_property
+    def row_bytes(self) -> int:
+        return view2d(self.shape)[1] * itemsize(self.dtype)
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def is_broadcast(deliveries, shape: tuple[int, ...], world: int) -> bool:
+    """Does every rank of `world` receive the whole tensor (one delivery each)?"""
+    rows, cols = view2d(shape)
+    full = {d.rank for d in deliveries if d.piece.rows == (0, rows) and d.piece.cols == (0, cols)}
+    return len(deliveries) == world and full == set(range(world))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    source: str
+    rows: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    reader: int
+    broadcast: bool
+    chunks: tuple[Chunk, ...]
+    read_bytes: int
+    recv_bytes: tuple[int, ...]                  # per rank (the reader's own share is copied locally)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One clipped delivery inside a bucket, at `offset` of the wire buffer of its rank."""
+    chunk: Chunk
+    param: str
+    piece: Piece                                 # rows already clipped to the chunk
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    family: str
+    layout: Layout
+    specs: tuple[dict[str, ParamSpec], ...]      # per rank
+    sources: dict[str, Source]
+    buckets: tuple[Bucket, ...]
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()                # dropped by rule or by a tie (e.g. rotary inv_freq)
+    checkpoint_bytes: int = 0
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    # Quantized loads (plan/quant*.py): `specs` are the final params (what the caller gets and reconcile
+    # checks); where post-load steps change them, `staging` holds what the transfer writes, per rank.
+    staging: tuple[dict[str, ParamSpec], ...] = ()
+    post: tuple[tuple, ...] = ()                 # per rank, quant_steps.Step s run after their inputs arrive
+    quantization: str | None = None              # e.g. 'fp8-block 128x128 (config.json ...)'; None: none
+
+    def owned_bytes(self, rank: int) -> int:
+        """Checkpoint bytes of the pieces delivered to `rank` (what it reads itself with owner reads)."""
+        return sum(d.piece.numel * itemsize(src.dtype) for src in self.sources.values() for d in src.deliveries
+                   if d.rank == rank)
+
+    def owned_pieces(self, rank: int) -> list:
+        """(source, delivery) of every piece delivered to `rank`, in file order (file, then offset): the order
+        in which a rank that copies its own pieces from the files reads them."""
+        mine = [(src, d) for src in self.sources.values() for d in src.deliveries if d.rank == rank]
+        mine.sort(key=lambda sd: (sd[0].file, sd[0].offset + sd[1].piece.rows[0] * sd[0].row_bytes))
+        return mine
+
+    def bytes_from_other_nodes(self, rank: int) -> int:
+        """Bytes `rank` receives from readers on other nodes: what crosses the network to it."""
+        node = self.layout.node(rank)
+        return sum(b.read_bytes if b.broadcast else b.recv_bytes[rank]
+                   for b in self.buckets if self.layout.node(b.reader) != node)
+
+    def staging_specs(self, rank: int) -> dict[str, ParamSpec]:
+        """What the transfer writes on `rank` (the final specs unless a post-load step rewrites params)."""
+        return self.staging[rank] if self.staging else self.specs[rank]
+
+    def items(self, bucket: Bucket, rank: int) -> list[Item]:
+        """What `rank` receives from `bucket`, in wire order (identical computation on every rank)."""
+        out, offset = [], 0
+        for chunk in bucket.chunks:
+            src = self.sources[chunk.source]
+            for d in src.deliveries:
+                if d.rank != rank:
+                    continue
+                piece = clip(d.piece, chunk.rows)
+                if piece is None:
+                    continue
+                if bucket.broadcast:
+                    # The broadcast buffer is the chunks' raw bytes; the item points into it.
+                    nbytes = (chunk.rows[1] - chunk.rows[0]) * src.row_bytes
+                    out.append(Item(chunk, d.param, piece, broadcast_offset(self, bucket, chunk), nbytes))
+                    continue
+                nbytes = piece.numel * itemsize(src.dtype)
+                out.append(Item(chunk, d.param, piece, offset, nbytes))
+                offset += nbytes
+        return out
+
+
+def clip(piece: Piece, rows: tuple[int, int]) -> Piece | None:
+    """The part of `piece` inside source rows [rows[0], rows[1]), or None when they do not meet."""
+    a, b = max(piece.rows[0], rows[0]), min(piece.rows[1], rows[1])
+    if a >= b:
+        return None
+    return Piece(piece.source, (a, b), piece.cols, piece.dst_row + a - piece.rows[0], piece.dst_col)
+
+
+def broadcast_offset(plan: LoadPlan, bucket: Bucket, chunk: Chunk) -> int:
+    """Where `chunk` starts in a broadcast bucket's buffer (the chunks' raw bytes, in order)."""
+    offset = 0
+    for c in bucket.chunks:
+        if c == chunk:
+            return offset
+        offset += (c.rows[1] - c.rows[0]) * plan.sources[c.source].row_bytes
+    raise KeyError(chunk)

@@ -1,0 +1,189 @@
+"""Writing a sharded save (`--save-sharded OUT`), atomically.
+
+Everything is written into a hidden sibling `.OUT.tmp-<token>`; each rank file is fsynced, the manifest is
+written last (as `manifest.json.part`, fsynced, renamed), and only after every rank agreed does rank 0 swap
+the directory into place (renameat2 RENAME_EXCHANGE where Linux offers it, so OUT is the old or the new
+complete save at every instant; elsewhere the old save is renamed aside first). A directory holding rank
+files but no manifest is an interrupted save and is refused as such (manifest.py); stale `.OUT.tmp-*`
+directories of killed saves are removed by the next save at the same path. OUT is only ever replaced if
+it is an earlier distload save (or empty).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import uuid
+from pathlib import Path
+
+import torch
+
+from ..dtypes import TORCH_TO_SAFETENSORS
+from ..errors import CheckpointError
+from ..plan.reshard import rank_file
+from ..transfer import all_gather_objects, broadcast_object
+from ..transfer.agreement import run_phase
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, byte_view, hidden, siblings
+
+log = logging.getLogger("distload")
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, dict]:
+    """Write one safetensors file tensor by tensor, hashing the bytes on the way: no second copy of the
+    shard in memory (safetensors' save_file builds one). Returns per tensor its absolute offset and sha256."""
+    # Largest itemsize first, then by name (what safetensors does): every tensor is naturally aligned.
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {"__metadata__": metadata}
+    at = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": TORCH_TO_SAFETENSORS[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    data_start = 8 + len(blob)
+    records = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in order:
+            view = byte_view(tensors[name])
+            f.write(view)
+            records[name] = {"offset": data_start + header[name]["data_offsets"][0],
+                             "sha256": hashlib.sha256(view).hexdigest()}
+        f.flush()
+        os.fsync(f.fileno())
+    return records
+
+
+def prepare_directory(out: Path, tmp: Path) -> None:
+    if out.exists() and not (out / MANIFEST).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--save-sharded {out}: the path exists and is not a distload save (no {MANIFEST}); "
+                              f"refusing to replace it: choose another path, or remove it first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in siblings(out, "tmp"):  # left by a save that was killed: never complete, never read
+        log.info("removing %s, left by an interrupted save", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+
+
+def save_sharded(out: str | os.PathLike, rank: int, params: dict[str, torch.Tensor], specs: dict, plan,
+                 hf_config: dict, source: str, checkpoint_tensors: dict | None = None) -> Path:
+    """Collective: every rank calls it with its own params; returns the final directory.
+
+    `checkpoint_tensors` (name -> dtype, shape of the original checkpoint) defaults to the plan's sources;
+    a reload passes the manifest's, since its plan reads rank files."""
+    out = Path(out).absolute()
+    world = plan.layout.world
+    token = broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, src=0)
+    tmp = hidden(out, "tmp", token)
+    run_phase("save-sharded (prepare)", lambda: prepare_directory(out, tmp) if rank == 0 else None)
+
+    def write() -> dict:
+        mine = {n: t for n, t in params.items() if not specs[n].alias_of}
+        written = _write_rank_file(tmp / rank_file(rank, world), mine,
+                                   {"format": FORMAT, "rank": str(rank), "world_size": str(world)})
+        return {n: {"local_shape": list(t.shape), **written[n],
+                    **({"experts": list(specs[n].experts)} if specs[n].style == "expert" else {})}
+                for n, t in mine.items()}
+
+    def commit(records: list[dict]) -> None:
+        tensors = checkpoint_tensors
+        if tensors is None:
+            tensors = {s.name: {"dtype": s.dtype, "shape": list(s.shape)} for s in plan.sources.values()}
+        part = tmp / f"{MANIFEST}.part"
+        part.write_text(json.dumps(_manifest(plan, specs, records, hf_config, source, tensors), indent=1,
+                                   sort_keys=True))
+        _fsync_path(part)
+        os.rename(part, tmp / MANIFEST)
+        _fsync_path(tmp)
+        _swap_into_place(tmp, out, token)
+
+    try:
+        records = all_gather_objects(run_phase("save-sharded (write)", write))
+        run_phase("save-sharded (commit)", lambda: commit(records) if rank == 0 else None)
+    finally:
+        # Whatever failed, no half-written directory stays behind (after the swap, tmp holds the old save).
+        if rank == 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the OS or file system can't."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or glibc < 2.28
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_into_place(tmp: Path, out: Path, token: str) -> None:
+    """Make tmp the save at out; afterwards tmp holds the previous save (if any), for the caller to remove."""
+    if not out.exists():
+        os.rename(tmp, out)
+    elif not _exchange(tmp, out):
+        # rename() cannot replace a non-empty directory: move the old save aside, then put the new one in
+        # place. Between the two renames OUT is missing, but the old save is intact at .OUT.old-<token>.
+        old = hidden(out, "old", token)
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        os.rename(old, tmp)
+    _fsync_path(out.parent)
+    for stale in siblings(out, "old"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _manifest(plan, specs: dict, records: list[dict], hf_config: dict, source: str, checkpoint_tensors: dict) -> dict:
+    layout = plan.layout
+    params = {}
+    for name, spec in sorted(specs.items()):
+        entry = {"style": spec.style, "dtype": spec.dtype, "global_shape": list(spec.global_shape)}
+        if spec.alias_of:
+            entry["alias_of"] = spec.alias_of
+        else:
+            entry["ranks"] = [rec[name] for rec in records]
+        params[name] = entry
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "world_size": layout.world,
+        "tp": layout.tp,
+        "ep": layout.ep,
+        "expert_placement": layout.expert_placement,
+        "config_name": plan.family,
+        "source_checkpoint": source,
+        "hf_config": hf_config,
+        "checkpoint_tensors": checkpoint_tensors,
+        "files": [rank_file(r, layout.world) for r in range(layout.world)],
+        "params": params,
+    }
+
