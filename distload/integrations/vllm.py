@@ -26,17 +26,18 @@ from vllm.distributed import parallel_state
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-import distload
-
 from ..dtypes import torch_dtype
 from ..errors import DistloadError, PlanError
+from ..inspect_cmd import inspect_load
+from ..loader import run_load
 from ..names import describe
+from ..options import LoadOptions
 from .serving_names import NamingProfile, profile_for
 
 LOAD_FORMAT = "distload"
-# model_loader_extra_config keys: distload.load's options a serving instance may set.
-OPTIONS = {"readers", "staging_mib", "verify_checksums", "checksums", "report", "read_strategy", "config",
-           "timeout_s", "check_finite"}
+# model_loader_extra_config keys: the LoadOptions a serving instance may set (vLLM's groups give the rest).
+OPTIONS = ("readers", "staging_mib", "verify_checksums", "checksums", "report", "read_strategy", "config",
+           "timeout_s", "check_finite")
 
 
 def register() -> None:
@@ -55,11 +56,11 @@ class DistloadModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         extra = dict(load_config.model_loader_extra_config or {})
-        unknown = sorted(set(extra) - OPTIONS)
+        unknown = sorted(set(extra) - set(OPTIONS))
         if unknown:
-            raise DistloadError(f"model_loader_extra_config {unknown}: not distload options; "
-                                f"choose from {sorted(OPTIONS)}")
-        self.options = extra
+            raise DistloadError(f"model_loader_extra_config {unknown}: not distload options a vLLM instance "
+                                f"sets; choose from {', '.join(OPTIONS)}")
+        self.options = LoadOptions.from_kwargs(progress=False, **extra)
 
     def download_model(self, model_config: ModelConfig) -> None:
         checkpoint_dir(model_config)
@@ -138,16 +139,17 @@ def _torchrun_identity(rank: int, world: int):
                 os.environ[k] = v
 
 
-def fill_from_checkpoint(path: str, into: dict[str, torch.Tensor], shape: dict, options: dict) -> dict:
+def fill_from_checkpoint(path: str, into: dict[str, torch.Tensor], shape: dict, options: LoadOptions) -> dict:
     """The one call into distload: plan this rank's params, refuse a param either side lacks (or of
     another shape / dtype) before any weight byte is read, then load into `into` in place. Returns the report."""
     rank = shape["rank"]
+    device = next(iter(into.values())).device
+    options = options.replace(tp=shape["tp"], ep=shape["ep"], expert_placement=shape["expert_placement"],
+                              device=str(device))
     with _torchrun_identity(rank, shape["world"]):
-        plan = distload.inspect(path, tp=shape["tp"], ep=shape["ep"], world=shape["world"],
-                                config=options.get("config"), expert_placement=shape["expert_placement"])
-        check_destinations(into, plan.specs[rank], plan.family, options.get("config"))
-        result = distload.load(path, tp=shape["tp"], ep=shape["ep"], expert_placement=shape["expert_placement"],
-                               device="cpu", into=into, progress=False, **options)
+        plan = inspect_load(path, options, world=shape["world"]).plan
+        check_destinations(into, plan.specs[rank], plan.family, options.config)
+        result = run_load(path, options, into=into)
     return result.report
 
 
