@@ -15,7 +15,16 @@ from importlib import resources
 
 from ..errors import RuleError
 
-PROFILE_KEYS = {"name", "from", "below", "rename", "alias"}
+PROFILE_KEYS = {"name", "from", "below", "rename", "alias", "sharded_state"}
+SHARDED_STATE_KEYS = {"architectures", "aliased", "buffers"}
+
+
+@dataclass(frozen=True)
+class ShardedStateNames:
+    """What an engine's own sharded format holds beyond the weights (configs/serving: [profile.sharded_state])."""
+    architectures: tuple[str, ...] = ()          # whose state_dict names the export is known to match
+    aliased: tuple[str, ...] = ()                # architectures whose models also hold the `alias` names
+    buffers: tuple[tuple[str, tuple[str, ...]], ...] = ()   # (param suffix, sibling float32 1.0 scalars)
 
 
 @dataclass(frozen=True)
@@ -25,10 +34,19 @@ class NamingProfile:
     source: str                                  # the file it came from, for messages
     rename: tuple[tuple[str, str], ...] = ()     # (engine suffix, distload suffix)
     alias: tuple[tuple[str, str], ...] = ()      # (engine suffix, suffix of the engine param it duplicates)
+    sharded_state: ShardedStateNames = ShardedStateNames()
 
     def distload_name(self, engine_name: str) -> str:
         """distload's name for an engine param (itself when no rename applies)."""
         return _replace_suffix(engine_name, self.rename) or engine_name
+
+    def engine_name(self, distload_name: str) -> str:
+        """The engine's name for a distload param (the inverse of distload_name)."""
+        return _replace_suffix(distload_name, tuple((b, a) for a, b in self.rename)) or distload_name
+
+    def aliases_of(self, engine_name: str) -> list[str]:
+        """The other engine names of the same tensor (where the architecture holds them)."""
+        return [name for alias, target in self.alias if (name := _replace_suffix(engine_name, ((target, alias),)))]
 
     def alias_target(self, engine_name: str) -> str | None:
         """The engine param this one duplicates, or None when it is a param of its own."""
@@ -72,7 +90,17 @@ def profile_for(engine: str, version: str, path=None) -> NamingProfile:
         if version_tuple(table["from"]) <= wanted < version_tuple(table["below"]):
             return NamingProfile(name=table["name"], source=str(path),
                                  rename=tuple(table.get("rename", {}).items()),
-                                 alias=tuple(table.get("alias", {}).items()))
+                                 alias=tuple(table.get("alias", {}).items()),
+                                 sharded_state=_sharded_state(table.get("sharded_state", {}), path))
     known = ", ".join(f"{t.get('name')} [{t.get('from')}, {t.get('below')})" for t in data.get("profile", []))
     raise RuleError(f"{engine} {version}: distload does not know this version's param names (profiles: {known}); "
                     f"add a [[profile]] for it to {path}")
+
+
+def _sharded_state(table: dict, path) -> ShardedStateNames:
+    unknown = set(table) - SHARDED_STATE_KEYS
+    if unknown:
+        raise RuleError(f"{path}: [profile.sharded_state] takes {sorted(SHARDED_STATE_KEYS)}; got {sorted(unknown)}")
+    return ShardedStateNames(architectures=tuple(table.get("architectures", ())),
+                             aliased=tuple(table.get("aliased", ())),
+                             buffers=tuple((k, tuple(v)) for k, v in table.get("buffers", {}).items()))

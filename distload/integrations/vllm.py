@@ -17,10 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import vllm
 from torch import nn
-from vllm.config import ModelConfig
+from vllm.config import ModelConfig, get_current_vllm_config
 from vllm.config.load import LoadConfig
 from vllm.distributed import parallel_state
 from vllm.model_executor.model_loader import register_model_loader
@@ -101,20 +100,17 @@ def destinations(model: nn.Module, profile: NamingProfile):
 def instance_shape() -> dict:
     """This worker in its vLLM instance: rank, world, tp, ep and expert placement, from vLLM's groups.
 
-    distload's collectives run on torch.distributed's default group, so that group must be exactly this
-    instance's tensor-parallel group (one pipeline stage, no data parallelism)."""
-    from vllm.config import get_current_vllm_config
-
+    distload's collectives run on torch.distributed's default group, which is vLLM's world group: it
+    must be exactly this instance's tensor-parallel group (one pipeline stage, no data parallelism)."""
     parallel = get_current_vllm_config().parallel_config
-    tp_group = parallel_state.get_tp_group()
-    world = dist.get_world_size()
-    if parallel_state.get_pp_group().world_size != 1 or tp_group.world_size != world:
+    world_group, tp_group = parallel_state.get_world_group(), parallel_state.get_tp_group()
+    world, pp = world_group.world_size, parallel_state.get_pp_group().world_size
+    if pp != 1 or tp_group.world_size != world:
         raise DistloadError(f"load_format='distload' loads one tensor-parallel group that is the whole "
-                            f"torch.distributed world; this instance has tp {tp_group.world_size}, "
-                            f"pp {parallel_state.get_pp_group().world_size}, world {world}: use "
-                            f"load_format='safetensors' with pipeline or data parallelism")
+                            f"torch.distributed world; this instance has tp {tp_group.world_size}, pp {pp}, "
+                            f"world {world}: use load_format='safetensors' with pipeline or data parallelism")
     ep = world if parallel.enable_expert_parallel else 1  # vLLM's EP group spans the TP ranks
-    return dict(rank=dist.get_rank(), world=world, tp=world, ep=ep,
+    return dict(rank=world_group.rank, world=world, tp=world, ep=ep,
                 expert_placement=parallel.expert_placement_strategy)
 
 
