@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distload.errors import DistloadError, RuleError
+from distload.errors import DistloadError, PlanError, RuleError
+from distload.inspect_cmd import inspect_load
+from distload.options import LoadOptions
 from distload.integrations.serving_names import profile_for
 from distload.integrations.vllm_save import architecture_aliased, engine_tensors, export_for_vllm
 
@@ -127,6 +129,22 @@ def test_distload_save_served_as_sharded_state(family, tokens, checkpoints, tmp_
     theirs = run_vllm(ckpt, "safetensors", tmp_path, tokens=tokens)
     assert_same_state(ours, theirs)
     assert ours.get("tokens") == theirs.get("tokens")
+
+
+@needs_vllm
+def test_a_vllm_param_no_rule_fills_is_refused_by_name_before_any_read(checkpoints):
+    from distload.integrations.vllm import check_destinations  # imports vLLM
+
+    plan = inspect_load(str(checkpoints("llama")), LoadOptions(tp=2)).plan  # headers only
+    specs = plan.specs[0]
+    into = {name: torch.empty(spec.local_shape, dtype=torch.bfloat16) for name, spec in specs.items()}
+    with pytest.raises(PlanError, match=r"no rule fills: 'model\.layers\.0\.self_attn\.extra\.weight'.*"
+                                        r"configs/llama\.toml.*configs/serving/vllm\.toml"):
+        check_destinations({**into, "model.layers.0.self_attn.extra.weight": torch.empty(2)}, specs, plan.family, None)
+    down = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(PlanError, match=rf"{down}: vLLM \[64, 64\], distload's shard"):
+        check_destinations({**into, down: torch.empty(64, 64, dtype=torch.bfloat16)}, specs, plan.family, None)
+    check_destinations(into, specs, plan.family, None)
 
 
 def test_unknown_vllm_version_is_refused_by_name():
