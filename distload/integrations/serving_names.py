@@ -1,0 +1,106 @@
+"""A serving engine's param names per engine version, as data: configs/serving/<engine>.toml.
+
+distload's family rules name params by their serving names (`...experts.w13_weight`); an engine release
+may move a param (vLLM 0.32: `...experts.routed_experts.w13_weight`) or list one tensor under two names
+(Qwen3-MoE's router, also `mlp.experts.gate.weight`). A profile says so per version range, by name
+suffix, so a new release is a new table, not code.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+
+from ..errors import RuleError
+
+PROFILE_KEYS = {"name", "from", "below", "rename", "alias", "sharded_state"}
+SHARDED_STATE_KEYS = {"architectures", "aliased", "buffers"}
+
+
+@dataclass(frozen=True)
+class ShardedStateNames:
+    """What an engine's own sharded format holds beyond the weights (configs/serving: [profile.sharded_state])."""
+    architectures: tuple[str, ...] = ()          # whose state_dict names the export is known to match
+    aliased: tuple[str, ...] = ()                # architectures whose models also hold the `alias` names
+    buffers: tuple[tuple[str, tuple[str, ...]], ...] = ()   # (param suffix, sibling float32 1.0 scalars)
+
+
+@dataclass(frozen=True)
+class NamingProfile:
+    """How one engine version names distload's params."""
+    name: str
+    source: str                                  # the file it came from, for messages
+    rename: tuple[tuple[str, str], ...] = ()     # (engine suffix, distload suffix)
+    alias: tuple[tuple[str, str], ...] = ()      # (engine suffix, suffix of the engine param it duplicates)
+    sharded_state: ShardedStateNames = ShardedStateNames()
+
+    def distload_name(self, engine_name: str) -> str:
+        """distload's name for an engine param (itself when no rename applies)."""
+        return _replace_suffix(engine_name, self.rename) or engine_name
+
+    def engine_name(self, distload_name: str) -> str:
+        """The engine's name for a distload param (the inverse of distload_name)."""
+        return _replace_suffix(distload_name, tuple((b, a) for a, b in self.rename)) or distload_name
+
+    def aliases_of(self, engine_name: str) -> list[str]:
+        """The other engine names of the same tensor (where the architecture holds them)."""
+        return [name for alias, target in self.alias if (name := _replace_suffix(engine_name, ((target, alias),)))]
+
+    def alias_target(self, engine_name: str) -> str | None:
+        """The engine param this one duplicates, or None when it is a param of its own."""
+        return _replace_suffix(engine_name, self.alias)
+
+
+def _replace_suffix(name: str, pairs: tuple[tuple[str, str], ...]) -> str | None:
+    for suffix, replacement in pairs:
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + replacement
+    return None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'0.32.0+cpu' -> (0, 32, 0): the leading dotted numbers of a version string."""
+    match = re.match(r"\d+(\.\d+)*", version.strip())
+    if match is None:
+        raise RuleError(f"engine version {version!r} does not start with a number")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def profile_file(engine: str):
+    """The shipped naming file of an engine: configs/serving/<engine>.toml."""
+    return resources.files("distload.configs") / "serving" / f"{engine}.toml"
+
+
+def profile_for(engine: str, version: str, path=None) -> NamingProfile:
+    """The profile of `engine` at `version` from `path` (default: the shipped file); RuleError naming the
+    version and the file to extend when no profile's range holds it."""
+    path = path if path is not None else profile_file(engine)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RuleError(f"{path}: cannot read {engine}'s naming profiles: {exc}") from None
+    wanted = version_tuple(version)
+    for table in data.get("profile", []):
+        unknown = set(table) - PROFILE_KEYS
+        if unknown or not {"name", "from", "below"} <= set(table):
+            raise RuleError(f"{path}: each [[profile]] has name, from, below and optionally rename, alias; "
+                            f"got {sorted(table)}")
+        if version_tuple(table["from"]) <= wanted < version_tuple(table["below"]):
+            return NamingProfile(name=table["name"], source=str(path),
+                                 rename=tuple(table.get("rename", {}).items()),
+                                 alias=tuple(table.get("alias", {}).items()),
+                                 sharded_state=_sharded_state(table.get("sharded_state", {}), path))
+    known = ", ".join(f"{t.get('name')} [{t.get('from')}, {t.get('below')})" for t in data.get("profile", []))
+    raise RuleError(f"{engine} {version}: distload does not know this version's param names (profiles: {known}); "
+                    f"add a [[profile]] for it to {path}")
+
+
+def _sharded_state(table: dict, path) -> ShardedStateNames:
+    unknown = set(table) - SHARDED_STATE_KEYS
+    if unknown:
+        raise RuleError(f"{path}: [profile.sharded_state] takes {sorted(SHARDED_STATE_KEYS)}; got {sorted(unknown)}")
+    return ShardedStateNames(architectures=tuple(table.get("architectures", ())),
+                             aliased=tuple(table.get("aliased", ())),
+                             buffers=tuple((k, tuple(v)) for k, v in table.get("buffers", {}).items()))

@@ -1,0 +1,51 @@
+"""One vLLM instance at tp 2 on CPU, as a script (vLLM's `LLM` must be built under a __main__ guard):
+load CKPT with LOAD_FORMAT, collect every worker's state (vllm_probe.StateProbe), optionally generate
+greedy tokens, and write it all as JSON.
+
+    python tests/vllm_serve.py CKPT LOAD_FORMAT OUT.json [--ep] [--tokens] [--extra JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import vllm_probe  # noqa: F401  (installs the load hook in this process, which forked workers inherit)
+
+PROMPT = [1, 17, 42, 99, 7, 3, 150, 64]
+STEPS = 16
+
+
+def serve_once(ckpt: str, load_format: str, ep: bool, tokens: bool, extra: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(ckpt, tensor_parallel_size=2, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+              distributed_executor_backend="mp", skip_tokenizer_init=True, enable_expert_parallel=ep,
+              load_format=load_format, model_loader_extra_config=extra,
+              worker_extension_cls="vllm_probe.StateProbe")
+    result = {"startup_s": time.perf_counter() - start, "ranks": llm.collective_rpc("distload_probe_state")}
+    if tokens:
+        params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+        result["tokens"] = list(outputs[0].outputs[0].token_ids)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("ckpt")
+    parser.add_argument("load_format")
+    parser.add_argument("out")
+    parser.add_argument("--ep", action="store_true")
+    parser.add_argument("--tokens", action="store_true")
+    parser.add_argument("--extra", default="{}")
+    args = parser.parse_args()
+    result = serve_once(args.ckpt, args.load_format, args.ep, args.tokens, json.loads(args.extra))
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
