@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install distload with its test dependencies and run the tests.
-#   bash scripts/test.sh            the whole suite (what CI runs)
+#   bash scripts/test.sh            the whole suite (what CI runs), then the vLLM stage (scripts/vllm_stage.sh:
+#                                   real vLLM CPU at tp 2, in a venv of its own; DISTLOAD_VLLM_STAGE=0 skips it)
 #   bash scripts/test.sh --fast     only the pure tests (the `pure` marker, given in tests/conftest.py); installs
 #                                   only when distload is not importable from this checkout yet
 # Further arguments go to pytest.
@@ -26,4 +27,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 python -m pytest -q tests "${select[@]}" "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then echo "pytest collected no tests"; exit 1; fi
-exit $rc
+if [[ $rc -ne 0 || ${#select[@]} -ne 0 || $# -ne 0 || "${DISTLOAD_VLLM_STAGE:-1}" == "0" ]]; then
+  exit $rc  # the vLLM stage runs after a whole, green suite only
+fi
+bash scripts/vllm_stage.sh
