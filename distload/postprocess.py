@@ -119,6 +119,7 @@ OPS = {
     "quantize_block": _quantize_block,
     "dequantize": _dequantize,
     "dequantize_block": _dequantize_block,
+    "transpose": lambda step, finals, staged: (staged.transpose(-2, -1).contiguous(),),  # plan/transpose.py
 }
 
 

@@ -32,11 +32,17 @@ experts a rank hosts, each cut by `inner` (column / row / merged / replicate) in
     parts = ["...experts.{expert}.gate_proj.weight", "...experts.{expert}.up_proj.weight"]
     # The same param from another checkpoint form (here: experts stacked on disk, [experts, 2*I, H]); per
     # target, the first form whose tensors are all in the checkpoint is used (else the most complete one,
-    # so that `missing` names what is really absent). Keys: parts, split, stacked; the rest is inherited.
+    # so that `missing` names what is really absent). Keys: parts, split, stacked, transposed; the rest is
+    # inherited.
     [[params."model.layers.{layer}.mlp.experts.w13_weight".alternative]]
     stacked = true                         # dim 0 of the source is the expert; each expert cut as above
     parts = ["model.layers.{layer}.mlp.experts.gate_up_proj"]
     split = ["moe_inter", "moe_inter"]     # rows per expert of each logical part
+
+`transposed = true` (a param or an alternative form): the checkpoint stores the param with its last two axes
+swapped (GPT-2's Conv1D [in, out]; GPT-OSS's stacked experts [E, in, out]). Shapes, `split` and the style
+are written for the serving orientation; each rank's shard is cut from the stored tensor and transposed once
+it has landed (plan/transpose.py).
 
 Params that exist only on some layers (an MoE model with a few dense MLP layers) name a *set* of loop
 values computed from config.json, and say `only = "<set>"` or `unless = "<set>"`:
@@ -65,9 +71,9 @@ INNER_STYLES = ("column", "row", "merged", "replicate")
 TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
             "remove", "drop_past"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
-              "dtype", "when"}
+              "dtype", "when", "transposed"}
 DTYPE_POLICIES = ("float", "any-float")   # float: the checkpoint's weight dtype; any-float: any float width
-FORM_KEYS = {"parts", "split", "stacked"}      # what an `alternative` checkpoint form may change
+FORM_KEYS = {"parts", "split", "stacked", "transposed"}      # what an `alternative` checkpoint form may change
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class ParamRule:
     shape: tuple[str, ...] = ()     # full logical shape, one dim expression per axis (style expert: one expert)
     dtype: str = "float"            # DTYPE_POLICIES: which stored dtypes the param accepts
     when: str | None = None         # a config.json flag: the target exists only where it is true
+    transposed: bool = False        # the sources store the param with its last two axes swapped (GPT-2 Conv1D)
 
     @property
     def forms(self) -> tuple["ParamRule", ...]:
@@ -217,7 +224,11 @@ def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, d
     if stacked and (len(parts) != 1 or "expert" in names.variables(parts[0])):
         raise RuleError(f"{where}: params.{target!r}: a stacked form has one source without {{expert}} "
                         f"(dim 0 is the expert); use split for its logical parts")
-    return dict(parts=parts, split=split, stacked=stacked)
+    transposed = table.get("transposed", False)
+    if not isinstance(transposed, bool) or (transposed and style in ("vocab", "replicate")):
+        raise RuleError(f"{where}: params.{target!r}: transposed = true takes a cut style (column, row, merged, qkv, "
+                        f"expert); a {style} param is loaded as stored")
+    return dict(parts=parts, split=split, stacked=stacked, transposed=transposed)
 
 
 def _parse_when(table: dict, target: str, where: str) -> str | None:

@@ -39,6 +39,8 @@ LAYOUT_FAMILIES: dict[str, dict] = {
     "starcoder2": dict(model_type="starcoder2"),  # biases everywhere, c_fc / c_proj MLP, tied
     "cohere": dict(model_type="cohere"),  # no post_attention_layernorm, tied
     "cohere_qk_norm": dict(model_type="cohere", use_qk_norm=True),  # per-head q/k norms [heads, head_dim]
+    "gpt2": dict(model_type="gpt2", num_key_value_heads=4),  # Conv1D weights stored [in, out]; learned positions
+    "gpt_bigcode": dict(model_type="gpt_bigcode", multi_query=True, num_key_value_heads=1),  # c_attn with one kv head
 }
 DENSE = ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mistral", "phi3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]

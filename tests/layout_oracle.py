@@ -48,6 +48,8 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
                    local_expert_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Rank tp_rank's tensors, serving names. MoE: ep_size contiguous groups of tp_size/ep_size ranks;
     local_expert_ids defaults to group k hosting experts [k*n/ep_size, (k+1)*n/ep_size)."""
+    if "transformer.wte.weight" in hf:
+        return gpt_shards(hf, config, tp_rank, tp_size)
     r, p = tp_rank, tp_size
     n_heads = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads") or n_heads
@@ -135,4 +137,32 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
     shards = {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}
     if config.get("tie_word_embeddings"):
         shards["lm_head.weight"] = shards["model.embed_tokens.weight"]  # aliased, as the loader does
+    return shards
+
+
+def gpt_shards(hf: dict[str, torch.Tensor], config: dict, r: int, p: int) -> dict[str, torch.Tensor]:
+    """GPT-2 / GPTBigCode (vLLM gpt2.py, gpt_bigcode.py): GPT-2's Conv1D weights are [in, out] on disk and
+    [out, in] in serving; c_attn = [q; k; v] (GPTBigCode multi-query: one kv head, on every rank)."""
+    conv1d = config["model_type"] == "gpt2"
+    n_heads, hidden = config["n_head"], config["n_embd"]
+    d = hidden // n_heads
+    n_kv = 1 if config.get("multi_query") else n_heads
+    out = {"transformer.wte.weight": vocab_rows(hf["transformer.wte.weight"], r, p)}
+    for name in ("transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"):
+        out[name] = hf[name]
+    for i in range(config["n_layer"]):
+        a = f"transformer.h.{i}."
+        w = {k[len(a):]: (v.t() if conv1d and k.endswith(".weight") and ".c_" in k else v)
+             for k, v in hf.items() if k.startswith(a)}
+        for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_proj.bias"):
+            out[a + name] = w[name]
+        for kind in ("weight", "bias"):
+            q, k, v = w[f"attn.c_attn.{kind}"].split([hidden, n_kv * d, n_kv * d])
+            out[a + f"attn.c_attn.{kind}"] = torch.cat([rows(q, r, p), kv_rows(k, r, p, n_kv, d),
+                                                       kv_rows(v, r, p, n_kv, d)])
+        out[a + "mlp.c_fc.weight"], out[a + "mlp.c_fc.bias"] = rows(w["mlp.c_fc.weight"], r, p), rows(w["mlp.c_fc.bias"], r, p)
+        out[a + "attn.c_proj.weight"] = cols(w["attn.c_proj.weight"], r, p)
+        out[a + "mlp.c_proj.weight"] = cols(w["mlp.c_proj.weight"], r, p)
+    shards = {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}
+    shards["lm_head.weight"] = shards["transformer.wte.weight"]  # tied, aliased as the loader does
     return shards

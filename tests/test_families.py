@@ -17,7 +17,8 @@ from spawn import run_ranks
 from test_plan import arange_values, assert_matches_oracle
 
 EXPECTED_FAMILY = {"gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2", "olmo2_mqa": "olmo2",
-                   "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere"}
+                   "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere",
+                   "gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,50 @@ def test_plan_matches_the_serving_layout(checkpoints, family, tp):
     assert rules.name == EXPECTED_FAMILY[family]
     plan = build_plan(entries, config, rules, Layout(world=tp, tp=tp))
     assert plan.missing == () and plan.unexpected == ()
-    assert_matches_oracle(plan, arange_values(entries), config)
+    if any(plan.post):  # params stored transposed: staged as stored, then a transpose step
+        assert_staged_matches_oracle(plan, arange_values(entries), config)
+    else:
+        assert_matches_oracle(plan, arange_values(entries), config)
+
+
+def assert_staged_matches_oracle(plan, values, config) -> None:
+    """The pure plan of a load with post-load transposes: every staged element delivered exactly once, and
+    the staged shards, transposed as the plan's steps say, equal to the oracle's."""
+    import torch
+
+    from distload.plan.shard import view2d
+    from layout_oracle import serving_shards
+    from test_plan import put
+
+    for rank in range(plan.layout.world):
+        staging = plan.staging_specs(rank)
+        bufs = {n: torch.zeros(view2d(s.local_shape), dtype=values[next(iter(values))].dtype)
+                for n, s in staging.items() if s.alias_of is None}
+        count = {n: torch.zeros(b.shape, dtype=torch.int64) for n, b in bufs.items()}
+        for src in plan.sources.values():
+            v = values[src.name].reshape(view2d(src.shape))
+            for d in (d for d in src.deliveries if d.rank == rank):
+                pc = d.piece
+                put(bufs[d.param], pc, v[pc.rows[0]:pc.rows[1], pc.cols[0]:pc.cols[1]])
+                put(count[d.param], pc, count[d.param][pc.dst_row:pc.dst_row + pc.rows[1] - pc.rows[0],
+                                                        pc.dst_col:pc.dst_col + pc.cols[1] - pc.cols[0]] + 1)
+        for n, c in count.items():
+            pad = torch.zeros_like(c)
+            for r0, r1, c0, c1 in staging[n].padding:
+                pad[r0:r1, c0:c1] = 1
+            assert torch.equal(c + pad, torch.ones_like(c)), f"rank {rank} {n}: not covered exactly once"
+        got = {n: b.reshape(staging[n].local_shape) for n, b in bufs.items()}
+        for step in plan.post[rank]:
+            assert step.op == "transpose" and step.inputs == step.outputs
+            got[step.inputs[0]] = got[step.inputs[0]].transpose(-2, -1)
+        for n, s in plan.specs[rank].items():
+            if s.alias_of is not None:
+                got[n] = got[s.alias_of]
+        want = serving_shards(values, config, plan.layout.tp_rank(rank), plan.layout.tp)
+        assert set(got) == set(want), set(got) ^ set(want)
+        for n, t in want.items():
+            assert plan.specs[rank][n].local_shape == tuple(t.shape), n
+            assert torch.equal(got[n], t), f"rank {rank} {n} differs from the oracle"
 
 
 def test_the_family_files_need_their_constructs(checkpoints):
@@ -72,3 +116,22 @@ def _load_all(checkpoints: dict) -> list[str]:
 def test_real_loads_are_exact_on_every_rank(checkpoints, world):
     problems = [p for r in run_ranks(world, _load_all, checkpoints) for p in r]
     assert not problems, "\n".join(problems)
+
+
+def test_gpt2_conv1d_weights_are_staged_as_stored_and_transposed_after_landing(checkpoints):
+    from dataclasses import replace
+
+    from distload.errors import PlanError
+
+    index = discover(checkpoints["gpt2"])
+    entries, config = dict(index.tensors), dict(index.config)
+    plan = build_plan(entries, config, rules_for(config), Layout(world=2, tp=2))
+    name = "transformer.h.0.mlp.c_fc.weight"
+    assert plan.staging_specs(1)[name].local_shape == (64, 128) and plan.specs[1][name].local_shape == (128, 64)
+    assert {s.op for steps in plan.post for s in steps} == {"transpose"}
+    # A checkpoint saved [out, in] (not GPT-2's Conv1D) is refused, naming the stored shape the rule expects.
+    e = entries[name]
+    with pytest.raises(PlanError, match=r"c_fc.weight has 256 rows but config.json says hidden = 64.*looks transposed"):
+        build_plan({**entries, name: replace(e, shape=(256, 64))}, config, rules_for(config), Layout(world=2, tp=2))
+    with pytest.raises(PlanError, match="a transposed param cannot also be quantized"):
+        build_plan(entries, config, rules_for(config), Layout(world=2, tp=2), quantize="fp8")

@@ -382,5 +382,14 @@ def test_drop_past_takes_only_the_tensors_after_the_loop():
 def test_unknown_top_and_param_keys_are_errors(tmp_path):
     with pytest.raises(RuleError, match="unknown keys \\['transpose'\\]"):
         parse_rules(write(tmp_path, MINIMAL + 'transpose = true\n'))
-    with pytest.raises(RuleError, match="unknown keys \\['transposed'\\]"):
-        parse_rules(write(tmp_path, MINIMAL.replace('style = "column"', 'style = "column"\ntransposed = true')))
+    with pytest.raises(RuleError, match="unknown keys \\['transposd'\\]"):
+        parse_rules(write(tmp_path, MINIMAL.replace('style = "column"', 'style = "column"\ntransposd = true')))
+
+
+def test_transposed_is_a_form_key_for_cut_styles(tmp_path):
+    rules = parse_rules(write(tmp_path, MINIMAL.replace('style = "column"', 'style = "column"\ntransposed = true')))
+    assert any(p.transposed for p in rules.params)
+    with pytest.raises(RuleError, match="transposed = true takes a cut style"):
+        parse_rules(write(tmp_path, MINIMAL.replace('style = "column"', 'style = "replicate"\ntransposed = true')))
+    with pytest.raises(RuleError, match="transposed = true takes a cut style"):
+        parse_rules(write(tmp_path, MINIMAL.replace('style = "column"', 'style = "column"\ntransposed = 1')))

@@ -446,3 +446,39 @@ def test_head_cuts_refuse_a_group_size_that_splits_a_head(style):
         cut(style, [Part("w", 0, 16, 2)], 3, 0, "w", heads=4, kv_heads=2)
     with pytest.raises(PlanError, match="not a whole number per head"):
         cut(style, [Part("w", 0, 15, 2)], 2, 0, "w", heads=4, kv_heads=2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sources stored transposed (GPT-2 Conv1D, GPT-OSS stacked experts)
+
+
+@pytest.mark.parametrize("style,p", [("column", 2), ("row", 2), ("column", 4), ("merged", 2)])
+def test_a_transposed_layout_is_the_cut_of_the_stored_tensor_transposed(style, p):
+    from distload.plan.shard import transpose_layout
+
+    serving = {"a": (8, 6), "b": (8, 6)}
+    stored = arange_sources({n: (c, r) for n, (r, c) in serving.items()})     # [in, out] on disk
+    names = ["a", "b"] if style == "merged" else ["a"]
+    parts = [Part(n, 0, 8, 6) for n in names]
+    for r in range(p):
+        lay = cut(style, parts, p, r, "w")
+        want = materialise(lay, {n: t.t() for n, t in stored.items()})   # the serving-orientation cut
+        staged = materialise(transpose_layout(lay, serving, lay.rows), stored)
+        assert torch.equal(staged.t(), want)
+
+
+def test_a_transposed_layout_keeps_stacked_matrices_apart():
+    """Two experts stacked on disk as [E, in, out]: each piece stays inside its expert's stored matrix."""
+    from distload.plan.shard import transpose_layout
+
+    stored = torch.arange(2 * 6 * 8, dtype=torch.float64).reshape(2, 6, 8)    # [E, in=6, out=8]
+    serving = stored.transpose(1, 2)                                          # [E, 8, 6]
+    parts = [Part("w", e * 8, 8, 6) for e in range(2)]
+    lays = [cut("column", [part], 2, 1, "w") for part in parts]              # rank 1: rows 4..8 of each expert
+    pieces = tuple(Piece(pc.source, pc.rows, pc.cols, pc.dst_row + slot * 4, pc.dst_col)
+                   for slot, lay in enumerate(lays) for pc in lay.pieces)
+    staged = transpose_layout(LocalLayout(8, 6, pieces), {"w": (8, 6)}, 4)
+    got = materialise(staged, {"w": stored.reshape(12, 8)}).reshape(2, 6, 4).transpose(1, 2)
+    assert torch.equal(got, serving[:, 4:8, :])
+    with pytest.raises(PlanError, match="spans two stacked matrices"):
+        transpose_layout(LocalLayout(16, 6, (Piece("w", (4, 12), (0, 6), 0, 0),)), {"w": (8, 6)}, 16)

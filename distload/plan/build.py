@@ -10,7 +10,7 @@ from __future__ import annotations
 from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
-from . import expected_shapes, quant, quant_layouts, quant_steps
+from . import expected_shapes, quant, quant_layouts, quant_steps, transpose
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_hosts
 from .layouts import Planned, layouts_for_target, relayout
@@ -52,6 +52,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     _add_aliases(specs, tied)
     final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
                                                      quantize=quantize, dequantize=dequantize)
+    specs, post = transpose.stage(specs, post, by_name)   # params stored transposed land, then turn
 
     sources = _sources(deliveries, tensors, layout.world)
     runs = reader_spans(sources, layout)

@@ -98,7 +98,7 @@ def expected_sources(target, rules, config: dict) -> list[Expected]:
     logical = logical_shape(rule, target.name, rules, config)
     if logical is None:
         return []
-    keys, transposed = logical.keys, False
+    keys, transposed = logical.keys, rule.transposed
     if rule.style == "expert" and rule.stacked:
         experts, used = rules.dim_keys(config, "experts")
         (src,) = target.sources

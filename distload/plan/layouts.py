@@ -11,8 +11,9 @@ from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
 from .experts import expert_hosts
-from .parts import check_vocab, logical_parts
+from .parts import check_vocab, logical_parts, oriented_shape
 from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
+from .transpose import stored_layout
 from .types import ParamSpec, Target
 
 
@@ -57,7 +58,7 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
     if rule.style == "vocab":
         check_vocab(target, parts, rules, config)
     style = effective_style(rule.style, len(entries[0].shape))
-    shape0 = entries[0].shape
+    shape0 = oriented_shape(entries[0].shape, rule.transposed)
     global_shape = (sum(p.rows for p in parts),) + tuple(shape0[1:]) if len(parts) > 1 or rule.split else shape0
     if style == "qkv" and len(entries) == 1:
         global_shape = shape0
@@ -65,7 +66,7 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
     for r in range(layout.world):
         lay = cut(style, parts, layout.tp, layout.tp_rank(r), f"{target.name} (rule {rule.style})",
                   pad_to=rule.pad_to, **sizes)
-        lays.append(lay)
+        lays.append(stored_layout(lay, target, index, lay.rows))
         specs.append(ParamSpec(target.name, rule.style, entries[0].dtype, tuple(global_shape),
                                local_shape(style, tuple(global_shape), lay), lay.padding))
     return specs, lays
@@ -75,7 +76,7 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
     """(per expert its logical parts, the shape of one expert), checked: every expert has one shape."""
     if target.rule.stacked:
         (src,) = target.sources
-        shape = tuple(index[src].shape)
+        shape = oriented_shape(index[src].shape, target.rule.transposed)
         if len(shape) < 2 or shape[0] != num_experts:
             raise PlanError(f"{where}: {src} has shape {list(shape)}, but a stacked expert tensor has dim 0 = "
                             f"num experts = {num_experts} (config.json); the checkpoint and config.json disagree")
@@ -84,7 +85,8 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
                 for e in range(num_experts)], shape[1:]
     per_expert_parts = [logical_parts(target, list(target.expert_sources[e]), index, rules, config)
                         for e in range(num_experts)]
-    one_expert = (sum(p.rows for p in per_expert_parts[0]),) + tuple(index[target.sources[0]].shape[1:])
+    one_expert = (sum(p.rows for p in per_expert_parts[0]),) + \
+        oriented_shape(index[target.sources[0]].shape, target.rule.transposed)[1:]
     sizes_of = [tuple((p.rows, p.cols) for p in parts) for parts in per_expert_parts]
     odd = [e for e in range(num_experts) if sizes_of[e] != sizes_of[0]]
     if odd:
@@ -114,7 +116,8 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
             lay = cut(inner, per_expert_parts[e], g, t, f"{where} expert {e}", label="tp-in-expert-group", **sizes)
             pieces += [Piece(p.source, p.rows, p.cols, p.dst_row + slot * lay.rows, p.dst_col) for p in lay.pieces]
         inner_local = local_shape(inner, tuple(one_expert), LocalLayout(rows, cols, ()))
-        lays.append(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding))
+        lays.append(stored_layout(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding), target, index,
+                                  rows, num_experts))
         specs.append(ParamSpec(target.name, "expert", dtype, global_shape, (len(hosts[r]),) + inner_local, (), None,
                                hosts[r]))
     return specs, lays

@@ -198,6 +198,26 @@ def cut_qkv_grouped(parts, p, r, what, label="tp", heads=None, kv_heads=None, **
     return _stack_rows([(part, (q0, q0 + share * head_rows)), (part, (kv0, kv0 + 2 * head_rows))])
 
 
+def transpose_layout(lay: LocalLayout, matrices: dict[str, tuple[int, int]], dst_matrix_rows: int) -> LocalLayout:
+    """A layout cut in serving orientation, seen in stored orientation (sources with their last two axes swapped).
+
+    `lay` stacks K local matrices of `dst_matrix_rows` rows each (K = 1, or one per hosted expert); matrices[src]
+    = (rows, cols) of one serving-orientation matrix of src (a stacked source holds several). Each piece becomes
+    the same rectangle in the stored source, landing in the transposed local matrices: [K * cols, dst_matrix_rows].
+    """
+    pieces = []
+    for pc in lay.pieces:
+        rows, cols = matrices[pc.source]
+        m = pc.rows[0] // rows
+        if pc.rows[1] > (m + 1) * rows:
+            raise PlanError(f"{pc.source}: a piece spans two stacked matrices; a transposed cut stays in one")
+        k, x = divmod(pc.dst_row, dst_matrix_rows)
+        pieces.append(Piece(pc.source, (m * cols + pc.cols[0], m * cols + pc.cols[1]),
+                            (pc.rows[0] - m * rows, pc.rows[1] - m * rows), k * lay.cols + pc.dst_col, x))
+    return LocalLayout(rows=(lay.rows // dst_matrix_rows) * lay.cols if dst_matrix_rows else 0,
+                       cols=dst_matrix_rows, pieces=tuple(pieces))
+
+
 CUTS = {
     "replicate": cut_replicate,
     "column": cut_column,
