@@ -41,6 +41,10 @@ LAYOUT_FAMILIES: dict[str, dict] = {
     "cohere_qk_norm": dict(model_type="cohere", use_qk_norm=True),  # per-head q/k norms [heads, head_dim]
     "gpt2": dict(model_type="gpt2", num_key_value_heads=4),  # Conv1D weights stored [in, out]; learned positions
     "gpt_bigcode": dict(model_type="gpt_bigcode", multi_query=True, num_key_value_heads=1),  # c_attn with one kv head
+    # GLM-4.5: dense layer 0, then 8 routed experts + 1 shared, sigmoid router with e_score_correction_bias
+    "glm4_moe": dict(model_type="glm4_moe", n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                     first_k_dense_replace=1, num_experts_per_tok=2, n_group=2, topk_group=1, head_dim=16,
+                     use_qk_norm=True, attention_bias=True),
 }
 DENSE = ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mistral", "phi3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]

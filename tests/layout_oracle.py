@@ -127,6 +127,13 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
         out[moe + "experts.w13_weight"] = torch.stack(w13)
         out[moe + "experts.w2_weight"] = torch.stack(w2)
 
+        if moe + "gate.e_score_correction_bias" in hf:  # DeepSeek-style router bias, replicated
+            out[moe + "gate.e_score_correction_bias"] = hf[moe + "gate.e_score_correction_bias"]
+        if moe + "shared_experts.gate_proj.weight" in hf:  # GLM-4.5 / DeepSeek: shared experts as a dense MLP
+            s = moe + "shared_experts."
+            out[s + "gate_up_proj.weight"] = torch.cat([rows(hf[s + "gate_proj.weight"], r, p),
+                                                        rows(hf[s + "up_proj.weight"], r, p)])
+            out[s + "down_proj.weight"] = cols(hf[s + "down_proj.weight"], r, p)
         if moe + "shared_expert_gate.weight" in hf:  # Qwen2-MoE: shared expert split p ways like a dense MLP
             s = moe + "shared_expert."
             out[moe + "shared_expert_gate.weight"] = hf[moe + "shared_expert_gate.weight"]
