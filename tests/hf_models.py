@@ -45,6 +45,12 @@ LAYOUT_FAMILIES: dict[str, dict] = {
     "glm4_moe": dict(model_type="glm4_moe", n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
                      first_k_dense_replace=1, num_experts_per_tok=2, n_group=2, topk_group=1, head_dim=16,
                      use_qk_norm=True, attention_bias=True),
+    # Qwen3-Next: a linear-attention layer then a gated full-attention one, each over an MoE block with a shared expert
+    "qwen3_next": dict(model_type="qwen3_next", layer_types=["linear_attention", "full_attention"], num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                       decoder_sparse_step=1, mlp_only_layers=[], head_dim=16, linear_num_key_heads=4,
+                       linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8,
+                       linear_conv_kernel_dim=4),
 }
 DENSE = ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mistral", "phi3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]

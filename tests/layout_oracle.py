@@ -89,7 +89,10 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
                 continue
             out[a + f"self_attn.qkv_proj.{kind}"] = torch.cat(
                 [rows(q, r, p), kv_rows(k, r, p, n_kv, d), kv_rows(v, r, p, n_kv, d)])
-        out[a + "self_attn.o_proj.weight"] = cols(hf[a + "self_attn.o_proj.weight"], r, p)
+        if a + "self_attn.o_proj.weight" in hf:
+            out[a + "self_attn.o_proj.weight"] = cols(hf[a + "self_attn.o_proj.weight"], r, p)
+        else:  # Qwen3-Next's linear-attention layers
+            out.update(linear_attention_shards(hf, config, a + "linear_attn.", r, p))
 
         if a + "block_sparse_moe.gate.weight" in hf:  # Mixtral: experts.{e}.w1 (gate), w3 (up), w2 (down)
             moe, parts = a + "block_sparse_moe.", ("w1", "w3", "w2")
@@ -173,3 +176,16 @@ def gpt_shards(hf: dict[str, torch.Tensor], config: dict, r: int, p: int) -> dic
     shards = {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}
     shards["lm_head.weight"] = shards["transformer.wte.weight"]  # tied, aliased as the loader does
     return shards
+
+
+def linear_attention_shards(hf: dict[str, torch.Tensor], config: dict, a: str, r: int, p: int) -> dict:
+    """Qwen3-Next Gated DeltaNet (vLLM qwen3_next.py): projections packed per key-head group, cut by rows; the
+    conv over [q; k; v] cut per segment; per value head A_log / dt_bias; the gated norm whole."""
+    key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    conv = hf[a + "conv1d.weight"].split([key_dim, key_dim, value_dim])
+    return {a + "in_proj_qkvz.weight": rows(hf[a + "in_proj_qkvz.weight"], r, p),
+            a + "in_proj_ba.weight": rows(hf[a + "in_proj_ba.weight"], r, p),
+            a + "conv1d.weight": torch.cat([rows(c, r, p) for c in conv]),
+            a + "A_log": rows(hf[a + "A_log"], r, p), a + "dt_bias": rows(hf[a + "dt_bias"], r, p),
+            a + "norm.weight": hf[a + "norm.weight"], a + "out_proj.weight": cols(hf[a + "out_proj.weight"], r, p)}

@@ -19,7 +19,7 @@ from test_plan import arange_values, assert_matches_oracle
 EXPECTED_FAMILY = {"gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2", "olmo2_mqa": "olmo2",
                    "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere",
                    "gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode",
-                   "glm4_moe": "glm4_moe"}
+                   "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next"}
 
 
 @pytest.fixture(scope="module")
