@@ -39,6 +39,9 @@ experts a rank hosts, each cut by `inner` (column / row / merged / replicate) in
     parts = ["model.layers.{layer}.mlp.experts.gate_up_proj"]
     split = ["moe_inter", "moe_inter"]     # rows per expert of each logical part
 
+`when = "flag"` keeps a param only where config.json's flag is true (`"!flag"`: false or absent, e.g. DeepSeek's
+q_proj without q_lora_rank); `groups = "heads"` makes a column / row / merged cut keep whole heads.
+
 `transposed = true` (a param or an alternative form): the checkpoint stores the param with its last two axes
 swapped (GPT-2's Conv1D [in, out]; GPT-OSS's stacked experts [E, in, out]). Shapes, `split` and the style
 are written for the serving orientation; each rank's shard is cut from the stored tensor and transposed once
@@ -71,7 +74,7 @@ INNER_STYLES = ("column", "row", "merged", "replicate")
 TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
             "remove", "drop_past"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
-              "dtype", "when", "transposed"}
+              "dtype", "when", "transposed", "groups"}
 DTYPE_POLICIES = ("float", "any-float")   # float: the checkpoint's weight dtype; any-float: any float width
 FORM_KEYS = {"parts", "split", "stacked", "transposed"}      # what an `alternative` checkpoint form may change
 
@@ -93,6 +96,7 @@ class ParamRule:
     dtype: str = "float"            # DTYPE_POLICIES: which stored dtypes the param accepts
     when: str | None = None         # a config.json flag: the target exists only where it is true
     transposed: bool = False        # the sources store the param with its last two axes swapped (GPT-2 Conv1D)
+    groups: str | None = None       # a dim: the cut keeps whole groups of that many (heads): tp must divide it
 
     @property
     def forms(self) -> tuple["ParamRule", ...]:
@@ -233,9 +237,15 @@ def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, d
 
 def _parse_when(table: dict, target: str, where: str) -> str | None:
     when = table.get("when")
-    if when is not None and (not isinstance(when, str) or not when):
-        raise RuleError(f"{where}: params.{target!r}: when must name a config.json flag, got {when!r}")
+    if when is not None and (not isinstance(when, str) or not when.lstrip("!")):
+        raise RuleError(f"{where}: params.{target!r}: when must name a config.json flag (\"!flag\": where it is "
+                        f"false or absent), got {when!r}")
     return when
+
+
+def flag_holds(when: str, config: dict) -> bool:
+    """`when = "flag"`: config.json's flag is true (a non-zero size counts); `"!flag"`: it is false or absent."""
+    return not config.get(when[1:]) if when.startswith("!") else bool(config.get(when))
 
 
 def _parse_shape(table: dict, target: str, where: str, dims: dict) -> tuple[str, ...]:
@@ -284,7 +294,11 @@ def parse_rules(path) -> FamilyRules:
         pad_to = table.get("pad_to", 64)
         if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 1:
             raise RuleError(f"{where}: params.{target!r}: pad_to must be a positive integer, got {pad_to!r}")
-        common = dict(target=target, style=style, inner=inner, pad_to=pad_to,
+        groups = table.get("groups")
+        if groups is not None and (groups not in dims or (inner or style) not in ("column", "row", "merged")):
+            raise RuleError(f"{where}: params.{target!r}: groups names a [dims] entry (the heads a column, row or "
+                            f"merged cut keeps whole), got {groups!r} on style {inner or style}")
+        common = dict(target=target, style=style, inner=inner, pad_to=pad_to, groups=groups,
                       shape=_parse_shape(table, target, where, dims), dtype=table.get("dtype", "float"))
         if common["dtype"] not in DTYPE_POLICIES:
             raise RuleError(f"{where}: params.{target!r}: dtype {common['dtype']!r}; allowed: {', '.join(DTYPE_POLICIES)}")

@@ -28,6 +28,9 @@ FAMILIES: dict[str, dict] = {
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       head_dim=16, decoder_sparse_step=1, mlp_only_layers=[]),
 }
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                   moe_intermediate_size=32, first_k_dense_replace=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                   q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
 # Families whose layout is shipped (configs/*.toml) and checked against layout_oracle.py; the reference
 # forward (distload/models) does not run them yet, so they are kept out of DENSE / FAMILIES.
 LAYOUT_FAMILIES: dict[str, dict] = {
@@ -51,6 +54,9 @@ LAYOUT_FAMILIES: dict[str, dict] = {
                        decoder_sparse_step=1, mlp_only_layers=[], head_dim=16, linear_num_key_heads=4,
                        linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8,
                        linear_conv_kernel_dim=4),
+    # DeepSeek-V3: MLA (q_lora, kv_lora, rope/nope split), dense layer 0, 8 routed experts in 2 groups + 1 shared
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v3_no_q_lora": {**DEEPSEEK_V3, "q_lora_rank": None},   # V2-Lite style: q_proj, kv_a replicated
 }
 DENSE = ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mistral", "phi3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
@@ -97,3 +103,24 @@ def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 def read_config(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def with_mtp_layer(src: str, out: Path) -> tuple[str, list[str]]:
+    """A copy of a DeepSeek-style checkpoint with a multi-token-prediction layer `model.layers.{N}` appended in
+    its own file (as GLM-4.5 and DeepSeek-V3 ship it), and the names added."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    extra = {f"model.layers.{n}.eh_proj.weight": torch.ones(hidden, 2 * hidden),
+             f"model.layers.{n}.enorm.weight": torch.ones(hidden),
+             f"model.layers.{n}.self_attn.q_proj.weight": torch.ones(hidden, hidden),
+             f"model.layers.{n}.shared_head.norm.weight": torch.ones(hidden)}
+    save_file(extra, out / "model-mtp.safetensors")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(out), sorted(extra)

@@ -80,10 +80,12 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
             out[a + "self_attn.q_norm.weight"] = rows(q_norm, r, p)
             out[a + "self_attn.k_norm.weight"] = kv_rows(k_norm, r, p, n_kv, per_head)
 
+        if a + "self_attn.kv_a_proj_with_mqa.weight" in hf:
+            out.update(mla_shards(hf, a + "self_attn.", r, p))
         for kind in ("weight", "bias"):
             if a + f"self_attn.qkv_proj.{kind}" in hf:  # Phi-3: fused on disk as [q; k; v]
                 q, k, v = hf[a + f"self_attn.qkv_proj.{kind}"].split([n_heads * d, n_kv * d, n_kv * d])
-            elif a + f"self_attn.q_proj.{kind}" in hf:
+            elif a + f"self_attn.k_proj.{kind}" in hf:
                 q, k, v = (hf[a + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
             else:
                 continue
@@ -189,3 +191,18 @@ def linear_attention_shards(hf: dict[str, torch.Tensor], config: dict, a: str, r
             a + "conv1d.weight": torch.cat([rows(c, r, p) for c in conv]),
             a + "A_log": rows(hf[a + "A_log"], r, p), a + "dt_bias": rows(hf[a + "dt_bias"], r, p),
             a + "norm.weight": hf[a + "norm.weight"], a + "out_proj.weight": cols(hf[a + "out_proj.weight"], r, p)}
+
+
+def mla_shards(hf: dict[str, torch.Tensor], s: str, r: int, p: int) -> dict:
+    """DeepSeek multi-head latent attention (vLLM deepseek_v2.py): the low-rank down projections q_a and
+    kv_a fused and whole on every rank, the up projections by heads (rows), their norms whole."""
+    out = {s + "kv_a_layernorm.weight": hf[s + "kv_a_layernorm.weight"],
+           s + "kv_b_proj.weight": rows(hf[s + "kv_b_proj.weight"], r, p)}
+    if s + "q_a_proj.weight" in hf:
+        out[s + "fused_qkv_a_proj.weight"] = torch.cat([hf[s + "q_a_proj.weight"], hf[s + "kv_a_proj_with_mqa.weight"]])
+        out[s + "q_a_layernorm.weight"] = hf[s + "q_a_layernorm.weight"]
+        out[s + "q_b_proj.weight"] = rows(hf[s + "q_b_proj.weight"], r, p)
+    else:  # no q_lora_rank: q_proj by heads, kv_a whole
+        out[s + "q_proj.weight"] = rows(hf[s + "q_proj.weight"], r, p)
+        out[s + "kv_a_proj_with_mqa.weight"] = hf[s + "kv_a_proj_with_mqa.weight"]
+    return out

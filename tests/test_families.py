@@ -12,14 +12,15 @@ from distload.plan import build_plan
 from distload.rules import rules_for
 from distload.topology import Layout
 from checks import differences, tensor_bytes
-from hf_models import LAYOUT_FAMILIES, save_checkpoint
+from hf_models import LAYOUT_FAMILIES, save_checkpoint, with_mtp_layer
 from spawn import run_ranks
 from test_plan import arange_values, assert_matches_oracle
 
 EXPECTED_FAMILY = {"gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2", "olmo2_mqa": "olmo2",
                    "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere",
                    "gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode",
-                   "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next"}
+                   "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next", "deepseek_v3": "deepseek_v3",
+                   "deepseek_v3_no_q_lora": "deepseek_v3"}
 
 
 @pytest.fixture(scope="module")
@@ -136,29 +137,6 @@ def test_gpt2_conv1d_weights_are_staged_as_stored_and_transposed_after_landing(c
         build_plan({**entries, name: replace(e, shape=(256, 64))}, config, rules_for(config), Layout(world=2, tp=2))
     with pytest.raises(PlanError, match="a transposed param cannot also be quantized"):
         build_plan(entries, config, rules_for(config), Layout(world=2, tp=2), quantize="fp8")
-
-
-def with_mtp_layer(src: str, out) -> tuple[str, list[str]]:
-    """A copy of a DeepSeek-style checkpoint with a multi-token-prediction layer `model.layers.{N}` appended in
-    its own file (as GLM-4.5 and DeepSeek-V3 ship it), and the names added."""
-    import json
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
-    shutil.copytree(src, out)
-    config = json.loads((out / "config.json").read_text())
-    n, hidden = config["num_hidden_layers"], config["hidden_size"]
-    extra = {f"model.layers.{n}.eh_proj.weight": torch.ones(hidden, 2 * hidden),
-             f"model.layers.{n}.enorm.weight": torch.ones(hidden),
-             f"model.layers.{n}.self_attn.q_proj.weight": torch.ones(hidden, hidden),
-             f"model.layers.{n}.shared_head.norm.weight": torch.ones(hidden)}
-    save_file(extra, out / "model-mtp.safetensors")
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    return str(out), sorted(extra)
 
 
 def test_the_mtp_layer_after_the_decoder_is_read_not_at_all(checkpoints, tmp_path):

@@ -46,6 +46,8 @@ def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, 
     sizes = {}
     if (rule.inner or rule.style) in HEAD_STYLES:
         sizes = dict(heads=rules.dim(config, "heads"), kv_heads=rules.dim(config, "kv_heads"))
+    if rule.groups:  # whole heads per rank (rule key groups)
+        sizes["groups"] = rules.dim(config, rule.groups)
     if rule.style == "expert":
         return _expert_layouts(target, index, rules, config, layout, hosts, sizes)
     return _dense_layouts(target, index, rules, config, layout, sizes)

@@ -5,7 +5,7 @@ No I/O, no process group: every rule is testable in microseconds. Every tensor i
 rows of dim 0 (`column`, `vocab`, `merged`, `qkv`) or columns of the last dim (`row`).
 
     style      rank r of p holds                                  (DESIGN §4.1)
-    replicate  the whole tensor
+    replicate  the whole tensor (several parts: concatenated in part order, merged but not split)
     column     rows [r*n/p, (r+1)*n/p)
     row        columns [r*n/p, (r+1)*n/p)
     vocab      rows of block r after zero-padding n to a multiple of lcm(pad_to, p)
@@ -15,6 +15,9 @@ rows of dim 0 (`column`, `vocab`, `merged`, `qkv`) or columns of the last dim (`
     qkv_grouped  one fused tensor packed per kv head (InternLM2 wqkv: per kv head its H/Hkv q heads, then
                k, then v); rank r holds its kv groups whole, or when p > Hkv one group's share of q heads
                and the group's k and v (replicated), keeping the packed order
+
+column, row and merged take `groups` (rule key: a number of heads): p must divide it, so a rank never holds
+part of a head even where the rows would divide (DeepSeek MLA's q_b_proj / kv_b_proj, Qwen3-Next's groups).
 """
 
 from __future__ import annotations
@@ -97,21 +100,32 @@ def _stack_rows(blocks: list[tuple[Part, tuple[int, int]]]) -> LocalLayout:
 
 
 def cut_replicate(parts, p, r, what, label="tp", **_) -> LocalLayout:
-    (part,) = parts
-    return LocalLayout(part.rows, part.cols, (_whole(part),))
+    """The whole tensor; several parts (DeepSeek MLA's fused_qkv_a_proj): concatenated, merged but not split."""
+    return _stack_rows([(part, (part.row0, part.row0 + part.rows)) for part in parts])
 
 
-def cut_column(parts, p, r, what, label="tp", **_) -> LocalLayout:
+def _check_groups(groups: int | None, p: int, what: str, label: str) -> None:
+    """A cut that must keep whole heads (rule key `groups`): p divides their number."""
+    if groups is not None and groups % p:
+        sizes = valid_group_sizes(lambda q: groups % q == 0, upto=max(8, min(groups, 64)))
+        raise PlanError(f"{what}: {groups} heads (rule groups), {label}={p}: {label} must divide {groups} so that "
+                        f"each rank holds whole heads (try {label} {', '.join(map(str, sizes))})")
+
+
+def cut_column(parts, p, r, what, label="tp", groups=None, **_) -> LocalLayout:
     (part,) = parts
+    _check_groups(groups, p, what, label)
     return _stack_rows([(part, _rows_block(part, p, r, what, label))])
 
 
-def cut_merged(parts, p, r, what, label="tp", **_) -> LocalLayout:
+def cut_merged(parts, p, r, what, label="tp", groups=None, **_) -> LocalLayout:
+    _check_groups(groups, p, what, label)
     return _stack_rows([(part, _rows_block(part, p, r, what, label)) for part in parts])
 
 
-def cut_row(parts, p, r, what, label="tp", **_) -> LocalLayout:
+def cut_row(parts, p, r, what, label="tp", groups=None, **_) -> LocalLayout:
     (part,) = parts
+    _check_groups(groups, p, what, label)
     if part.cols % p:
         raise _divides_hint(part.cols, what, label, p, f"columns of {part.source}")
     n = part.cols // p
