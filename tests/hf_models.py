@@ -57,6 +57,9 @@ LAYOUT_FAMILIES: dict[str, dict] = {
     # DeepSeek-V3: MLA (q_lora, kv_lora, rope/nope split), dense layer 0, 8 routed experts in 2 groups + 1 shared
     "deepseek_v3": DEEPSEEK_V3,
     "deepseek_v3_no_q_lora": {**DEEPSEEK_V3, "q_lora_rank": None},   # V2-Lite style: q_proj, kv_a replicated
+    # GPT-OSS (BF16 experts): stacked [E, H, 2I] interleaved gate/up, biases, sinks, a sliding and a full layer
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=8),
 }
 DENSE = ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mistral", "phi3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]

@@ -50,6 +50,8 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
     local_expert_ids defaults to group k hosting experts [k*n/ep_size, (k+1)*n/ep_size)."""
     if "transformer.wte.weight" in hf:
         return gpt_shards(hf, config, tp_rank, tp_size)
+    if "model.layers.0.self_attn.sinks" in hf:
+        return gpt_oss_shards(hf, config, tp_rank, tp_size, ep_size, local_expert_ids)
     r, p = tp_rank, tp_size
     n_heads = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads") or n_heads
@@ -206,3 +208,39 @@ def mla_shards(hf: dict[str, torch.Tensor], s: str, r: int, p: int) -> dict:
         out[s + "q_proj.weight"] = rows(hf[s + "q_proj.weight"], r, p)
         out[s + "kv_a_proj_with_mqa.weight"] = hf[s + "kv_a_proj_with_mqa.weight"]
     return out
+
+
+def gpt_oss_shards(hf: dict[str, torch.Tensor], config: dict, r: int, p: int, ep_size: int = 1,
+                   local_expert_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """GPT-OSS as vLLM's gpt_oss.py loads BF16 experts: attention under `attn.`, sinks by heads; experts stacked
+    [E, H, 2I] / [E, I, H] on disk, sliced on the (interleaved) intermediate dim, then permuted to [E, 2I/g, H]
+    / [E, H, I/g]; w2_bias whole on rank 0 of each expert group, zero elsewhere."""
+    n_heads, n_kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    g = p // ep_size
+    group, t = r // g, r % g
+    n_experts, inter = config["num_local_experts"], config["intermediate_size"]
+    ids = local_expert_ids if local_expert_ids is not None else \
+        list(range(group * n_experts // ep_size, (group + 1) * n_experts // ep_size))
+    ids = sorted(ids)
+    s0, s1 = t * inter // g, (t + 1) * inter // g
+    out = {"model.embedding.weight": vocab_rows(hf["model.embed_tokens.weight"], r, p),
+           "lm_head.weight": vocab_rows(hf["lm_head.weight"], r, p), "model.norm.weight": hf["model.norm.weight"]}
+    for i in range(config["num_hidden_layers"]):
+        a, s = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.router.weight",
+                     "mlp.router.bias"):
+            out[a + name] = hf[a + name]
+        for kind in ("weight", "bias"):
+            q, k, v = (hf[s + f"{x}_proj.{kind}"] for x in "qkv")
+            out[a + f"attn.qkv_proj.{kind}"] = torch.cat([rows(q, r, p), kv_rows(k, r, p, n_kv, d),
+                                                         kv_rows(v, r, p, n_kv, d)])
+        out[a + "attn.o_proj.weight"] = cols(hf[s + "o_proj.weight"], r, p)
+        out[a + "attn.o_proj.bias"] = hf[s + "o_proj.bias"]
+        out[a + "attn.sinks"] = rows(hf[s + "sinks"], r, p)
+        e = a + "mlp.experts."
+        out[e + "w13_weight"] = hf[e + "gate_up_proj"][ids][:, :, 2 * s0:2 * s1].permute(0, 2, 1)
+        out[e + "w2_weight"] = hf[e + "down_proj"][ids][:, s0:s1, :].permute(0, 2, 1)
+        out[e + "w13_bias"] = hf[e + "gate_up_proj_bias"][ids][:, 2 * s0:2 * s1]
+        bias = hf[e + "down_proj_bias"][ids]
+        out[e + "w2_bias"] = bias if t == 0 else torch.zeros_like(bias)
+    return {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}

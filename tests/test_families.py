@@ -20,7 +20,7 @@ EXPECTED_FAMILY = {"gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2", "ol
                    "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere",
                    "gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode",
                    "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next", "deepseek_v3": "deepseek_v3",
-                   "deepseek_v3_no_q_lora": "deepseek_v3"}
+                   "deepseek_v3_no_q_lora": "deepseek_v3", "gpt_oss": "gpt_oss"}
 
 
 @pytest.fixture(scope="module")
@@ -44,43 +44,53 @@ def test_plan_matches_the_serving_layout(checkpoints, family, tp):
         assert_matches_oracle(plan, arange_values(entries), config)
 
 
-def assert_staged_matches_oracle(plan, values, config) -> None:
-    """The pure plan of a load with post-load transposes: every staged element delivered exactly once, and
-    the staged shards, transposed as the plan's steps say, equal to the oracle's."""
+def staged_shards(plan, rank: int, values: dict) -> dict:
+    """Rank's params from the pure plan of a load with post-load transposes: every staged element delivered
+    exactly once (padding: never, and zero), then transposed as the plan's steps say."""
     import torch
 
+    from distload.dtypes import torch_dtype
     from distload.plan.shard import view2d
-    from layout_oracle import serving_shards
     from test_plan import put
 
+    staging = plan.staging_specs(rank)
+    bufs = {n: torch.zeros(view2d(s.local_shape), dtype=torch_dtype(s.dtype))
+            for n, s in staging.items() if s.alias_of is None}
+    count = {n: torch.zeros(b.shape, dtype=torch.int64) for n, b in bufs.items()}
+    for src in plan.sources.values():
+        v = values[src.name].reshape(view2d(src.shape))
+        for d in (d for d in src.deliveries if d.rank == rank):
+            pc = d.piece
+            put(bufs[d.param], pc, v[pc.rows[0]:pc.rows[1], pc.cols[0]:pc.cols[1]])
+            put(count[d.param], pc, count[d.param][pc.dst_row:pc.dst_row + pc.rows[1] - pc.rows[0],
+                                                    pc.dst_col:pc.dst_col + pc.cols[1] - pc.cols[0]] + 1)
+    for n, c in count.items():
+        for r0, r1, c0, c1 in staging[n].padding:
+            assert not c[r0:r1, c0:c1].any(), f"rank {rank} {n}: padding is written"
+            c[r0:r1, c0:c1] += 1
+        assert torch.equal(c, torch.ones_like(c)), f"rank {rank} {n}: not covered exactly once"
+    got = {n: b.reshape(staging[n].local_shape) for n, b in bufs.items()}
+    for step in plan.post[rank]:
+        assert step.op == "transpose" and step.inputs == step.outputs
+        got[step.inputs[0]] = got[step.inputs[0]].transpose(-2, -1)
+    for n, s in plan.specs[rank].items():
+        if s.alias_of is not None:
+            got[n] = got[s.alias_of]
+        assert tuple(got[n].shape) == s.local_shape, n
+    return got
+
+
+def assert_staged_matches_oracle(plan, values, config) -> None:
+    """The pure plan of a load with post-load transposes against the oracle, on every rank."""
+    import torch
+
+    from layout_oracle import serving_shards
+
     for rank in range(plan.layout.world):
-        staging = plan.staging_specs(rank)
-        bufs = {n: torch.zeros(view2d(s.local_shape), dtype=values[next(iter(values))].dtype)
-                for n, s in staging.items() if s.alias_of is None}
-        count = {n: torch.zeros(b.shape, dtype=torch.int64) for n, b in bufs.items()}
-        for src in plan.sources.values():
-            v = values[src.name].reshape(view2d(src.shape))
-            for d in (d for d in src.deliveries if d.rank == rank):
-                pc = d.piece
-                put(bufs[d.param], pc, v[pc.rows[0]:pc.rows[1], pc.cols[0]:pc.cols[1]])
-                put(count[d.param], pc, count[d.param][pc.dst_row:pc.dst_row + pc.rows[1] - pc.rows[0],
-                                                        pc.dst_col:pc.dst_col + pc.cols[1] - pc.cols[0]] + 1)
-        for n, c in count.items():
-            pad = torch.zeros_like(c)
-            for r0, r1, c0, c1 in staging[n].padding:
-                pad[r0:r1, c0:c1] = 1
-            assert torch.equal(c + pad, torch.ones_like(c)), f"rank {rank} {n}: not covered exactly once"
-        got = {n: b.reshape(staging[n].local_shape) for n, b in bufs.items()}
-        for step in plan.post[rank]:
-            assert step.op == "transpose" and step.inputs == step.outputs
-            got[step.inputs[0]] = got[step.inputs[0]].transpose(-2, -1)
-        for n, s in plan.specs[rank].items():
-            if s.alias_of is not None:
-                got[n] = got[s.alias_of]
+        got = staged_shards(plan, rank, values)
         want = serving_shards(values, config, plan.layout.tp_rank(rank), plan.layout.tp)
         assert set(got) == set(want), set(got) ^ set(want)
         for n, t in want.items():
-            assert plan.specs[rank][n].local_shape == tuple(t.shape), n
             assert torch.equal(got[n], t), f"rank {rank} {n} differs from the oracle"
 
 

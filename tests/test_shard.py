@@ -103,7 +103,7 @@ def test_piece_numel():
 
 
 def test_cuts_is_the_closed_set_of_dense_styles():
-    assert set(CUTS) == {"replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped"}
+    assert set(CUTS) == {"replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "rank0"}
 
 
 @pytest.mark.parametrize("vocab,p,pad_to,expected", [
@@ -482,3 +482,13 @@ def test_a_transposed_layout_keeps_stacked_matrices_apart():
     assert torch.equal(got, serving[:, 4:8, :])
     with pytest.raises(PlanError, match="spans two stacked matrices"):
         transpose_layout(LocalLayout(16, 6, (Piece("w", (4, 12), (0, 6), 0, 0),)), {"w": (8, 6)}, 16)
+
+
+def test_rank0_holds_the_whole_tensor_and_the_others_zeros():
+    src = arange_sources({"b": (8, 1)})
+    parts = [Part("b", 0, 8, 1)]
+    assert torch.equal(materialise(cut("rank0", parts, 4, 0, "b"), src), src["b"])
+    for r in (1, 2, 3):
+        lay = cut("rank0", parts, 4, r, "b")
+        assert lay.pieces == () and lay.padding == ((0, 8, 0, 1),)
+        assert not materialise(lay, src).any()

@@ -11,7 +11,7 @@ from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
 from .experts import expert_hosts
-from .parts import check_vocab, logical_parts, oriented_shape
+from .parts import check_vocab, logical_parts, oriented_shape, vector_experts
 from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
 from .transpose import stored_layout
 from .types import ParamSpec, Target
@@ -78,7 +78,7 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
     """(per expert its logical parts, the shape of one expert), checked: every expert has one shape."""
     if target.rule.stacked:
         (src,) = target.sources
-        shape = oriented_shape(index[src].shape, target.rule.transposed)
+        shape = oriented_shape(index[src].shape, target.rule.transposed, stacked=True)
         if len(shape) < 2 or shape[0] != num_experts:
             raise PlanError(f"{where}: {src} has shape {list(shape)}, but a stacked expert tensor has dim 0 = "
                             f"num experts = {num_experts} (config.json); the checkpoint and config.json disagree")
@@ -106,7 +106,8 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     where = f"{target.name} (rule expert/{rule.inner} in {rules.source})"
     per_expert_parts, one_expert = _expert_parts(target, index, rules, config, num_experts, where)
     inner = effective_style(rule.inner, len(one_expert))
-    global_shape = (num_experts,) + tuple(one_expert)
+    vector = vector_experts(target, index)   # [experts, n] as stored, cut as [experts, n, 1]
+    global_shape = (num_experts,) + tuple(one_expert[:1] if vector else one_expert)
     dtype = index[target.sources[0]].dtype
     specs, lays = [], []
     for r in range(layout.world):
@@ -117,11 +118,13 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
         for slot, e in enumerate(hosts[r]):
             lay = cut(inner, per_expert_parts[e], g, t, f"{where} expert {e}", label="tp-in-expert-group", **sizes)
             pieces += [Piece(p.source, p.rows, p.cols, p.dst_row + slot * lay.rows, p.dst_col) for p in lay.pieces]
+            padding += tuple((a + slot * lay.rows, b + slot * lay.rows, c, d) for a, b, c, d in lay.padding)
         inner_local = local_shape(inner, tuple(one_expert), LocalLayout(rows, cols, ()))
         lays.append(stored_layout(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding), target, index,
                                   rows, num_experts))
-        specs.append(ParamSpec(target.name, "expert", dtype, global_shape, (len(hosts[r]),) + inner_local, (), None,
-                               hosts[r]))
+        specs.append(ParamSpec(target.name, "expert", dtype, global_shape,
+                               (len(hosts[r]),) + (inner_local[:1] if vector else inner_local), lays[-1].padding,
+                               None, hosts[r]))
     return specs, lays
 
 

@@ -6,6 +6,7 @@ rows of dim 0 (`column`, `vocab`, `merged`, `qkv`) or columns of the last dim (`
 
     style      rank r of p holds                                  (DESIGN §4.1)
     replicate  the whole tensor (several parts: concatenated in part order, merged but not split)
+    rank0      the whole tensor on rank 0, zeros elsewhere (a bias the group sums, added once)
     column     rows [r*n/p, (r+1)*n/p)
     row        columns [r*n/p, (r+1)*n/p)
     vocab      rows of block r after zero-padding n to a multiple of lcm(pad_to, p)
@@ -228,12 +229,26 @@ def transpose_layout(lay: LocalLayout, matrices: dict[str, tuple[int, int]], dst
         k, x = divmod(pc.dst_row, dst_matrix_rows)
         pieces.append(Piece(pc.source, (m * cols + pc.cols[0], m * cols + pc.cols[1]),
                             (pc.rows[0] - m * rows, pc.rows[1] - m * rows), k * lay.cols + pc.dst_col, x))
+    padding = []
+    for r0, r1, c0, c1 in lay.padding:  # zero regions move the same way (each inside one matrix)
+        k = r0 // dst_matrix_rows
+        padding.append((k * lay.cols + c0, k * lay.cols + c1, r0 - k * dst_matrix_rows, r1 - k * dst_matrix_rows))
     return LocalLayout(rows=(lay.rows // dst_matrix_rows) * lay.cols if dst_matrix_rows else 0,
-                       cols=dst_matrix_rows, pieces=tuple(pieces))
+                       cols=dst_matrix_rows, pieces=tuple(pieces), padding=tuple(padding))
+
+
+def cut_rank0(parts, p, r, what, label="tp", **_) -> LocalLayout:
+    """The whole tensor on rank 0 of the group, zeros on the others: a row layer's bias that the group sums
+    (vLLM's GPT-OSS w2_bias under TP: added once, by rank 0)."""
+    (part,) = parts
+    if r == 0:
+        return LocalLayout(part.rows, part.cols, (_whole(part),))
+    return LocalLayout(part.rows, part.cols, (), ((0, part.rows, 0, part.cols),))
 
 
 CUTS = {
     "replicate": cut_replicate,
+    "rank0": cut_rank0,
     "column": cut_column,
     "row": cut_row,
     "vocab": cut_vocab,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import PlanError
-from .parts import oriented_shape
+from .parts import oriented_shape, vector_experts
 from .quant_steps import Step
 from .shard import LocalLayout, transpose_layout, view2d
 
@@ -23,13 +23,15 @@ def swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def stored_layout(lay: LocalLayout, target, index, dst_matrix_rows: int, num_experts: int = 1) -> LocalLayout:
-    """`lay` (serving orientation) as pieces of the stored sources, when the target's rule is transposed."""
-    if not target.rule.transposed:
+    """`lay` (serving orientation) as pieces of the stored sources, when the target's rule is transposed; also
+    for vector experts, cut as [experts * n, 1] and stored [experts, n] (the same bytes, no transpose step)."""
+    rule = target.rule
+    if not rule.transposed and not vector_experts(target, index):
         return lay
-    per_source = num_experts if target.rule.stacked else 1
+    per_source = num_experts if rule.stacked else 1
     matrices = {}
     for s in target.sources:
-        rows, cols = view2d(oriented_shape(index[s].shape, True, f"{target.name}: {s}"))
+        rows, cols = view2d(oriented_shape(index[s].shape, rule.transposed, f"{target.name}: {s}", rule.stacked))
         matrices[s] = (rows // per_source, cols)
     return transpose_layout(lay, matrices, dst_matrix_rows)
 
@@ -52,6 +54,8 @@ def stage(staging: list[dict], post: list[tuple], targets: dict) -> tuple[list[d
             spec = specs.get(n)
             if spec is None or len(spec.local_shape) < 2:
                 continue
+            if spec.padding:
+                raise PlanError(f"{n}: a transposed param cannot have zero-padded regions (style {spec.style})")
             specs[n] = replace(spec, global_shape=swapped(spec.global_shape), local_shape=swapped(spec.local_shape))
             steps.append(Step("transpose", (n,), (n,)))
         out_staging.append(specs)
