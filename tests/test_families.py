@@ -156,3 +156,13 @@ def test_the_mtp_layer_after_the_decoder_is_read_not_at_all(checkpoints, tmp_pat
     assert plan.unexpected == () and set(extra) <= set(plan.ignored)
     assert not set(extra) & set(plan.sources)                     # no byte of it is read
     assert any("model.layers.2" in note for note in plan.notes)   # and the report says it was skipped
+
+
+def test_qwen3_next_keeps_whole_key_head_groups(checkpoints):
+    """in_proj_qkvz packs q, k, v, z per key head: a tp that would split a group is refused, though its rows
+    divide (4 key heads, tp 8: 192 rows per rank of 1536)."""
+    from distload.errors import PlanError
+
+    index = discover(checkpoints["qwen3_next"])
+    with pytest.raises(PlanError, match=r"linear_attn\.[\w.]+ \(rule \w+\): 4 heads \(rule groups\), tp=8"):
+        build_plan(dict(index.tensors), dict(index.config), rules_for(index.config), Layout(world=8, tp=8))
