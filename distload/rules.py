@@ -75,7 +75,8 @@ TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", 
             "remove", "drop_past"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
               "dtype", "when", "transposed", "groups"}
-DTYPE_POLICIES = ("float", "any-float")   # float: the checkpoint's weight dtype; any-float: any float width
+# float: the checkpoint's weight dtype; any-float: any float width; float32: any float width, delivered as F32
+DTYPE_POLICIES = ("float", "any-float", "float32")
 FORM_KEYS = {"parts", "split", "stacked", "transposed"}      # what an `alternative` checkpoint form may change
 
 

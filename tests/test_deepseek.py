@@ -67,6 +67,14 @@ def test_the_mtp_layer_is_read_not_at_all(ckpts, tmp_path):
     assert plan.unexpected == () and set(extra) <= set(plan.ignored) and not set(extra) & set(plan.sources)
 
 
+def test_the_router_bias_is_delivered_in_float32_whatever_is_stored(ckpts):
+    index = discover(ckpts["bf16"])
+    assert index.tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == "BF16"
+    specs = plan_for(ckpts["bf16"], 2).specs[1]
+    assert specs["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == "F32"
+    assert specs["model.layers.1.mlp.gate.weight"].dtype == "BF16"
+
+
 def test_block_fp8_at_a_tp_that_cuts_a_block_is_refused_before_any_read(ckpts):
     with pytest.raises(PlanError, match=r"block FP8 \[128, 128\].*=4 cuts .* inside a \[128, 128\] block.*\(try .*1, 2\)"):
         plan_for(ckpts["fp8"], 4)
@@ -104,6 +112,9 @@ def _load_fp8(ckpts: dict) -> list[str]:
     problems = []
     if result.report["storage_bytes_read"] != tensor_bytes(ckpts["fp8"]):
         problems.append(f"read {result.report['storage_bytes_read']} bytes of {tensor_bytes(ckpts['fp8'])}")
+    bias = result.params["model.layers.1.mlp.gate.e_score_correction_bias"]
+    if bias.dtype != torch.float32 or not torch.equal(bias, hf["model.layers.1.mlp.gate.e_score_correction_bias"].float()):
+        problems.append(f"e_score_correction_bias: {bias.dtype}, vLLM keeps it in float32")
     # Weights and scales exact: dequantizing each rank's shard gives the oracle's shard of the dequantized model.
     got = _dequantized(result.params)
     problems += differences(got, serving_shards(_dequantized(hf), config, rank, world), f"fp8 rank {rank}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
+from .expected_shapes import delivered_dtype
 from .experts import expert_hosts
 from .parts import check_vocab, logical_parts, oriented_shape, vector_experts
 from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
@@ -69,7 +70,7 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
         lay = cut(style, parts, layout.tp, layout.tp_rank(r), f"{target.name} (rule {rule.style})",
                   pad_to=rule.pad_to, **sizes)
         lays.append(stored_layout(lay, target, index, lay.rows))
-        specs.append(ParamSpec(target.name, rule.style, entries[0].dtype, tuple(global_shape),
+        specs.append(ParamSpec(target.name, rule.style, delivered_dtype(rule, entries[0].dtype), tuple(global_shape),
                                local_shape(style, tuple(global_shape), lay), lay.padding))
     return specs, lays
 
@@ -108,7 +109,7 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     inner = effective_style(rule.inner, len(one_expert))
     vector = vector_experts(target, index)   # [experts, n] as stored, cut as [experts, n, 1]
     global_shape = (num_experts,) + tuple(one_expert[:1] if vector else one_expert)
-    dtype = index[target.sources[0]].dtype
+    dtype = delivered_dtype(rule, index[target.sources[0]].dtype)
     specs, lays = [], []
     for r in range(layout.world):
         t = layout.rank_in_expert_group(r)
