@@ -69,7 +69,8 @@ from . import dim_expr, loop_sets, names
 from .errors import RuleError
 from .loop_sets import LoopSet
 
-STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "expert", "rank0")
+STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed", "expert",
+          "rank0")
 INNER_STYLES = ("column", "row", "merged", "replicate", "rank0")
 TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
             "remove", "drop_past"}

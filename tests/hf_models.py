@@ -127,3 +127,36 @@ def with_mtp_layer(src: str, out: Path) -> tuple[str, list[str]]:
     index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return str(out), sorted(extra)
+
+
+def save_internlm2_checkpoint(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """An InternLM2-layout checkpoint (transformers builds no InternLM2 offline: its checkpoints ship remote code):
+    a tiny Llama's weights renamed as InternLM2 names them, q/k/v packed into wqkv per kv-head group (for each kv
+    head its q heads, then k, then v), config.json as InternLM2's."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    config = build_config("llama", **overrides)
+    sd = build_model("llama", seed=seed, **overrides).state_dict()
+    heads, kv, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    hd = hidden // heads
+    tensors = {"model.tok_embeddings.weight": sd["model.embed_tokens.weight"], "output.weight": sd["lm_head.weight"],
+               "model.norm.weight": sd["model.norm.weight"]}
+    for i in range(config.num_hidden_layers):
+        a, b = f"model.layers.{i}.", f"model.layers.{i}."
+        q, k, v = (sd[a + f"self_attn.{x}_proj.weight"].reshape(-1, hd, hidden) for x in "qkv")
+        groups = [torch.cat([q[g * (heads // kv):(g + 1) * (heads // kv)], k[g:g + 1], v[g:g + 1]]) for g in range(kv)]
+        tensors[b + "attention.wqkv.weight"] = torch.cat(groups).reshape(-1, hidden)
+        renames = {"self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1",
+                   "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
+                   "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+        for old, new in renames.items():
+            tensors[b + new + ".weight"] = sd[a + old + ".weight"]
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2", "hidden_size": hidden,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": config.num_hidden_layers,
+        "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size, "bias": False,
+        "tie_word_embeddings": False, "rms_norm_eps": config.rms_norm_eps}))
+    return out

@@ -50,6 +50,8 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
     local_expert_ids defaults to group k hosting experts [k*n/ep_size, (k+1)*n/ep_size)."""
     if "transformer.wte.weight" in hf:
         return gpt_shards(hf, config, tp_rank, tp_size)
+    if "model.tok_embeddings.weight" in hf:
+        return internlm2_shards(hf, config, tp_rank, tp_size)
     if "model.layers.0.self_attn.sinks" in hf:
         return gpt_oss_shards(hf, config, tp_rank, tp_size, ep_size, local_expert_ids)
     r, p = tp_rank, tp_size
@@ -243,4 +245,25 @@ def gpt_oss_shards(hf: dict[str, torch.Tensor], config: dict, r: int, p: int, ep
         out[e + "w13_bias"] = hf[e + "gate_up_proj_bias"][ids][:, 2 * s0:2 * s1]
         bias = hf[e + "down_proj_bias"][ids]
         out[e + "w2_bias"] = bias if t == 0 else torch.zeros_like(bias)
+    return {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}
+
+
+def internlm2_shards(hf: dict[str, torch.Tensor], config: dict, r: int, p: int) -> dict[str, torch.Tensor]:
+    """InternLM2 as vLLM's internlm2.py loads it: wqkv unpacked from its kv-head groups into q, k, v, then cut
+    like every qkv_proj; w1/w3 merged; names kept."""
+    heads, n_kv, hidden = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
+    d = hidden // heads
+    out = {"model.tok_embeddings.weight": vocab_rows(hf["model.tok_embeddings.weight"], r, p),
+           "output.weight": vocab_rows(hf["output.weight"], r, p), "model.norm.weight": hf["model.norm.weight"]}
+    for i in range(config["num_hidden_layers"]):
+        a = f"model.layers.{i}."
+        packed = hf[a + "attention.wqkv.weight"].reshape(n_kv, heads // n_kv + 2, d, hidden)
+        q, k, v = (x.reshape(-1, hidden) for x in packed.split([heads // n_kv, 1, 1], dim=1))
+        out[a + "attention.wqkv.weight"] = torch.cat([rows(q, r, p), kv_rows(k, r, p, n_kv, d), kv_rows(v, r, p, n_kv, d)])
+        out[a + "attention.wo.weight"] = cols(hf[a + "attention.wo.weight"], r, p)
+        out[a + "feed_forward.gate_up_proj.weight"] = torch.cat([rows(hf[a + "feed_forward.w1.weight"], r, p),
+                                                                 rows(hf[a + "feed_forward.w3.weight"], r, p)])
+        out[a + "feed_forward.w2.weight"] = cols(hf[a + "feed_forward.w2.weight"], r, p)
+        for name in ("attention_norm.weight", "ffn_norm.weight"):
+            out[a + name] = hf[a + name]
     return {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}

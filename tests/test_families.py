@@ -12,7 +12,7 @@ from distload.plan import build_plan
 from distload.rules import rules_for
 from distload.topology import Layout
 from checks import differences, tensor_bytes
-from hf_models import LAYOUT_FAMILIES, save_checkpoint, with_mtp_layer
+from hf_models import LAYOUT_FAMILIES, save_checkpoint, save_internlm2_checkpoint, with_mtp_layer
 from spawn import run_ranks
 from test_plan import arange_values, assert_matches_oracle
 
@@ -20,17 +20,21 @@ EXPECTED_FAMILY = {"gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2", "ol
                    "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere",
                    "gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode",
                    "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next", "deepseek_v3": "deepseek_v3",
-                   "deepseek_v3_no_q_lora": "deepseek_v3", "gpt_oss": "gpt_oss"}
+                   "deepseek_v3_no_q_lora": "deepseek_v3", "gpt_oss": "gpt_oss",
+                   "internlm2": "internlm2", "internlm2_mqa": "internlm2"}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {fam: str(save_checkpoint(fam, root / fam)) for fam in LAYOUT_FAMILIES}
+    out = {fam: str(save_checkpoint(fam, root / fam)) for fam in LAYOUT_FAMILIES}
+    out["internlm2"] = str(save_internlm2_checkpoint(root / "internlm2"))    # not built by transformers offline
+    out["internlm2_mqa"] = str(save_internlm2_checkpoint(root / "internlm2_mqa", num_key_value_heads=1))
+    return out
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("family", sorted(LAYOUT_FAMILIES))
+@pytest.mark.parametrize("family", sorted(LAYOUT_FAMILIES) + ["internlm2", "internlm2_mqa"])
 def test_plan_matches_the_serving_layout(checkpoints, family, tp):
     index = discover(checkpoints[family])
     entries, config = dict(index.tensors), dict(index.config)
@@ -166,3 +170,24 @@ def test_qwen3_next_keeps_whole_key_head_groups(checkpoints):
     index = discover(checkpoints["qwen3_next"])
     with pytest.raises(PlanError, match=r"linear_attn\.[\w.]+ \(rule \w+\): 4 heads \(rule groups\), tp=8"):
         build_plan(dict(index.tensors), dict(index.config), rules_for(index.config), Layout(world=8, tp=8))
+
+
+def test_a_packed_wqkv_cut_as_plain_qkv_plans_but_differs_from_the_oracle(checkpoints, tmp_path):
+    """The shapes match, so no plan can tell the wrong style: only comparing shards (or logits) catches it."""
+    import torch
+
+    from distload.rules import parse_rules
+    from layout_oracle import serving_shards
+    from test_plan import materialise_from_deliveries
+
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('name = "wrong"\narchitectures = ["X"]\nextends = "internlm2"\n'
+                     '[params."model.layers.{layer}.attention.wqkv.weight"]\nstyle = "qkv"\n')
+    index = discover(checkpoints["internlm2"])
+    entries, config = dict(index.tensors), dict(index.config)
+    values = arange_values(entries)
+    name = "model.layers.0.attention.wqkv.weight"
+    for rules, equal in ((rules_for(config), True), (parse_rules(wrong), False)):
+        plan = build_plan(entries, config, rules, Layout(world=2, tp=2))
+        got = materialise_from_deliveries(plan, 1, values)[name]
+        assert torch.equal(got, serving_shards(values, config, 1, 2)[name]) == equal

@@ -103,7 +103,8 @@ def test_piece_numel():
 
 
 def test_cuts_is_the_closed_set_of_dense_styles():
-    assert set(CUTS) == {"replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "rank0"}
+    assert set(CUTS) == {"replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed",
+                         "rank0"}
 
 
 @pytest.mark.parametrize("vocab,p,pad_to,expected", [
@@ -492,3 +493,18 @@ def test_rank0_holds_the_whole_tensor_and_the_others_zeros():
         lay = cut("rank0", parts, 4, r, "b")
         assert lay.pieces == () and lay.padding == ((0, 8, 0, 1),)
         assert not materialise(lay, src).any()
+
+
+@pytest.mark.parametrize("heads,kv,p", [(4, 2, 1), (4, 2, 2), (4, 2, 4), (8, 2, 4), (4, 1, 2), (8, 4, 8)])
+def test_qkv_packed_unpacks_the_kv_groups_into_the_qkv_layout(heads, kv, p):
+    """InternLM2 wqkv (per kv head: its q heads, k, v) -> cat[q_r, k_r, v_r], as `qkv` cuts separate q/k/v."""
+    hd, cols = 2, 3
+    src = arange_sources({"w": ((heads + 2 * kv) * hd, cols)})
+    packed = src["w"].reshape(kv, heads // kv + 2, hd, cols)
+    q, k, v = (x.reshape(-1, cols) for x in packed.split([heads // kv, 1, 1], dim=1))
+    plain = {"q": q, "k": k, "v": v}
+    for r in range(p):
+        want = materialise(cut("qkv", [Part(n, 0, t.shape[0], cols) for n, t in plain.items()], p, r, "w",
+                               heads=heads, kv_heads=kv), plain)
+        lay = cut("qkv_packed", [Part("w", 0, (heads + 2 * kv) * hd, cols)], p, r, "w", heads=heads, kv_heads=kv)
+        assert torch.equal(materialise(lay, src), want)

@@ -54,7 +54,7 @@ def shape_exprs(rule, target_name: str, rules) -> tuple[str, ...]:
     have = set(rules.dims)
     if style == "vocab" and {"vocab", "hidden"} <= have:
         return ("vocab", "hidden")
-    if style in ("qkv", "qkv_grouped") and {"heads", "kv_heads", "head_dim", "hidden"} <= have:
+    if style in ("qkv", "qkv_grouped", "qkv_packed") and {"heads", "kv_heads", "head_dim", "hidden"} <= have:
         rows = "(heads + 2 * kv_heads) * head_dim"
         return (rows,) if target_name.endswith(".bias") else (rows, "hidden")
     return ()

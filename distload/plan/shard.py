@@ -17,6 +17,8 @@ rows of dim 0 (`column`, `vocab`, `merged`, `qkv`) or columns of the last dim (`
                k, then v); rank r holds its kv groups whole, or when p > Hkv one group's share of q heads
                and the group's k and v (replicated), keeping the packed order
 
+    qkv_packed the same packed source cut into qkv's layout cat[q_r, k_r, v_r] (what vLLM serves for InternLM2)
+
 column, row and merged take `groups` (rule key: a number of heads): p must divide it, so a rank never holds
 part of a head even where the rows would divide (DeepSeek MLA's q_b_proj / kv_b_proj, Qwen3-Next's groups).
 """
@@ -246,6 +248,33 @@ def cut_rank0(parts, p, r, what, label="tp", **_) -> LocalLayout:
     return LocalLayout(part.rows, part.cols, (), ((0, part.rows, 0, part.cols),))
 
 
+def _merged_runs(part: Part, starts: list[int], size: int) -> list[tuple[Part, tuple[int, int]]]:
+    """Row ranges [start, start + size) of `part`, neighbours merged: one piece per contiguous run."""
+    runs: list[list[int]] = []
+    for a in starts:
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = a + size
+        else:
+            runs.append([a, a + size])
+    return [(part, (part.row0 + a, part.row0 + b)) for a, b in runs]
+
+
+def cut_qkv_packed(parts, p, r, what, label="tp", heads=None, kv_heads=None, **_) -> LocalLayout:
+    """One fused source packed per kv-head group (InternLM2 wqkv), cut into the plain qkv layout
+    cat[q_r, k_r, v_r] that vLLM serves (it unpacks the groups while loading)."""
+    (part,) = parts
+    _check_heads(heads, kv_heads, p, what, label)
+    q_per_group = heads // kv_heads
+    hd = _head_rows(part, kv_heads * (q_per_group + 2), what)
+    group = (q_per_group + 2) * hd
+    q_heads = range(r * (heads // p), (r + 1) * (heads // p))
+    first, count = _kv_span(kv_heads, p, r)
+    q = [(h // q_per_group) * group + (h % q_per_group) * hd for h in q_heads]
+    k = [g * group + q_per_group * hd for g in range(first, first + count)]
+    v = [a + hd for a in k]
+    return _stack_rows(_merged_runs(part, q, hd) + _merged_runs(part, k, hd) + _merged_runs(part, v, hd))
+
+
 CUTS = {
     "replicate": cut_replicate,
     "rank0": cut_rank0,
@@ -256,8 +285,9 @@ CUTS = {
     "qkv": cut_qkv,
     "kv": cut_kv,
     "qkv_grouped": cut_qkv_grouped,
+    "qkv_packed": cut_qkv_packed,
 }
-HEAD_STYLES = ("qkv", "kv", "qkv_grouped")   # the cuts that need heads and kv_heads from config.json
+HEAD_STYLES = ("qkv", "kv", "qkv_grouped", "qkv_packed")   # the cuts that need heads and kv_heads from config.json
 
 
 def cut(style: str, parts: list[Part], p: int, r: int, what: str, label: str = "tp", **sizes) -> LocalLayout:
