@@ -145,6 +145,11 @@ def test_gpt2_conv1d_weights_are_staged_as_stored_and_transposed_after_landing(c
     name = "transformer.h.0.mlp.c_fc.weight"
     assert plan.staging_specs(1)[name].local_shape == (64, 128) and plan.specs[1][name].local_shape == (128, 64)
     assert {s.op for steps in plan.post for s in steps} == {"transpose"}
+    from distload.rules_check import explain
+
+    text = explain(rules_for(config), entries, config, tp=2).text
+    assert ("transformer.h.{layer}.mlp.c_fc.weight  [column] x2: global [256, 64], rank 0 holds [128, 64]\n"
+            "    from transformer.h.0.mlp.c_fc.weight [64, 256] F32\n    stored transposed") in text
     # A checkpoint saved [out, in] (not GPT-2's Conv1D) is refused, naming the stored shape the rule expects.
     e = entries[name]
     with pytest.raises(PlanError, match=r"c_fc.weight has 256 rows but config.json says hidden = 64.*looks transposed"):

@@ -393,3 +393,14 @@ def test_transposed_is_a_form_key_for_cut_styles(tmp_path):
         parse_rules(write(tmp_path, MINIMAL.replace('style = "column"', 'style = "replicate"\ntransposed = true')))
     with pytest.raises(RuleError, match="transposed = true takes a cut style"):
         parse_rules(write(tmp_path, MINIMAL.replace('style = "column"', 'style = "column"\ntransposed = 1')))
+
+
+def test_the_readme_worked_example_parses(tmp_path):
+    """README "Writing a family": the example file is a valid family that extends llama."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme[readme.index('    name = "mymodel"'):]
+    block = block[:block.index("\n\nThen ask distload")]
+    rules = parse_rules(write(tmp_path, "\n".join(line[4:] for line in block.splitlines()), "mymodel.toml"))
+    down = next(p for p in rules.params if p.target.endswith("down_proj.weight"))
+    assert down.transposed and down.shape == ("hidden", "intermediate")
+    assert not any(p.target.endswith("post_attention_layernorm.weight") for p in rules.params)
