@@ -404,3 +404,11 @@ def test_the_readme_worked_example_parses(tmp_path):
     down = next(p for p in rules.params if p.target.endswith("down_proj.weight"))
     assert down.transposed and down.shape == ("hidden", "intermediate")
     assert not any(p.target.endswith("post_attention_layernorm.weight") for p in rules.params)
+
+
+def test_deepseek_moe_layers_follow_first_k_dense_and_moe_layer_freq():
+    deepseek = next(f for f in shipped_families() if f.name == "deepseek_v3")
+    assert deepseek.members(dict(first_k_dense_replace=1, moe_layer_freq=2), "moe_layers", range(6)) == {2, 4}
+    assert deepseek.members(dict(first_k_dense_replace=3), "moe_layers", range(6)) == {3, 4, 5}
+    with pytest.raises(RuleError, match="stride=0"):
+        deepseek.members(dict(first_k_dense_replace=1, moe_layer_freq=0), "moe_layers", range(6))
