@@ -55,13 +55,7 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
     if "model.layers.0.self_attn.sinks" in hf:
         return gpt_oss_shards(hf, config, tp_rank, tp_size, ep_size, local_expert_ids)
     r, p = tp_rank, tp_size
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    d = config.get("head_dim") or config["hidden_size"] // n_heads
-    g = p // ep_size  # ranks per EP group; each expert is TP-split g ways inside its group
-    group, t = r // g, r % g
     out: dict[str, torch.Tensor] = {}
-
     out["model.embed_tokens.weight"] = vocab_rows(hf["model.embed_tokens.weight"], r, p)
     if not config.get("tie_word_embeddings"):
         out["lm_head.weight"] = vocab_rows(hf["lm_head.weight"], r, p)
@@ -76,29 +70,7 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
                      "post_feedforward_layernorm.weight", "self_attn.o_proj.bias"):
             if a + name in hf:
                 out[a + name] = hf[a + name]
-        q_norm, k_norm = hf.get(a + "self_attn.q_norm.weight"), hf.get(a + "self_attn.k_norm.weight")
-        if q_norm is not None and tuple(q_norm.shape) == (d,):  # Qwen3, Gemma3: one [head_dim] norm for all heads
-            out[a + "self_attn.q_norm.weight"], out[a + "self_attn.k_norm.weight"] = q_norm, k_norm
-        elif q_norm is not None:  # OLMo2 [heads * d], Cohere [heads, d]: each rank its heads, like q and k
-            per_head = k_norm.shape[0] // n_kv
-            out[a + "self_attn.q_norm.weight"] = rows(q_norm, r, p)
-            out[a + "self_attn.k_norm.weight"] = kv_rows(k_norm, r, p, n_kv, per_head)
-
-        if a + "self_attn.kv_a_proj_with_mqa.weight" in hf:
-            out.update(mla_shards(hf, a + "self_attn.", r, p))
-        for kind in ("weight", "bias"):
-            if a + f"self_attn.qkv_proj.{kind}" in hf:  # Phi-3: fused on disk as [q; k; v]
-                q, k, v = hf[a + f"self_attn.qkv_proj.{kind}"].split([n_heads * d, n_kv * d, n_kv * d])
-            elif a + f"self_attn.k_proj.{kind}" in hf:
-                q, k, v = (hf[a + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
-            else:
-                continue
-            out[a + f"self_attn.qkv_proj.{kind}"] = torch.cat(
-                [rows(q, r, p), kv_rows(k, r, p, n_kv, d), kv_rows(v, r, p, n_kv, d)])
-        if a + "self_attn.o_proj.weight" in hf:
-            out[a + "self_attn.o_proj.weight"] = cols(hf[a + "self_attn.o_proj.weight"], r, p)
-        else:  # Qwen3-Next's linear-attention layers
-            out.update(linear_attention_shards(hf, config, a + "linear_attn.", r, p))
+        out.update(attention_shards(hf, config, a, r, p))
 
         if a + "block_sparse_moe.gate.weight" in hf:  # Mixtral: experts.{e}.w1 (gate), w3 (up), w2 (down)
             moe, parts = a + "block_sparse_moe.", ("w1", "w3", "w2")
@@ -122,38 +94,81 @@ def serving_shards(hf: dict[str, torch.Tensor], config: dict, tp_rank: int, tp_s
             out[a + "mlp.down_proj.weight"] = cols(hf[a + "mlp.down_proj.weight"], r, p)
             continue
 
-        out[moe + "gate.weight"] = hf[moe + "gate.weight"]
-        n_experts = hf[moe + "gate.weight"].shape[0]
-        ids = local_expert_ids
-        if ids is None:
-            per_group = n_experts // ep_size
-            ids = list(range(group * per_group, (group + 1) * per_group))
-        w13, w2 = [], []
-        for e in sorted(ids):
-            gate, up, down = (hf[moe + f"experts.{e}.{x}.weight"] for x in parts)
-            w13.append(torch.cat([rows(gate, t, g), rows(up, t, g)]))
-            w2.append(cols(down, t, g))
-        out[moe + "experts.w13_weight"] = torch.stack(w13)
-        out[moe + "experts.w2_weight"] = torch.stack(w2)
-
-        if moe + "gate.e_score_correction_bias" in hf:  # DeepSeek-style router bias, replicated
-            out[moe + "gate.e_score_correction_bias"] = hf[moe + "gate.e_score_correction_bias"]
-        if moe + "shared_experts.gate_proj.weight" in hf:  # GLM-4.5 / DeepSeek: shared experts as a dense MLP
-            s = moe + "shared_experts."
-            out[s + "gate_up_proj.weight"] = torch.cat([rows(hf[s + "gate_proj.weight"], r, p),
-                                                        rows(hf[s + "up_proj.weight"], r, p)])
-            out[s + "down_proj.weight"] = cols(hf[s + "down_proj.weight"], r, p)
-        if moe + "shared_expert_gate.weight" in hf:  # Qwen2-MoE: shared expert split p ways like a dense MLP
-            s = moe + "shared_expert."
-            out[moe + "shared_expert_gate.weight"] = hf[moe + "shared_expert_gate.weight"]
-            out[s + "gate_up_proj.weight"] = torch.cat([rows(hf[s + "gate_proj.weight"], r, p),
-                                                        rows(hf[s + "up_proj.weight"], r, p)])
-            out[s + "down_proj.weight"] = cols(hf[s + "down_proj.weight"], r, p)
+        out.update(moe_shards(hf, moe, parts, r, p, ep_size, local_expert_ids))
 
     shards = {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}
     if config.get("tie_word_embeddings"):
         shards["lm_head.weight"] = shards["model.embed_tokens.weight"]  # aliased, as the loader does
     return shards
+
+
+def attention_shards(hf: dict[str, torch.Tensor], config: dict, a: str, r: int, p: int) -> dict[str, torch.Tensor]:
+    """One layer's attention (prefix `a`): q/k norms, q/k/v (separate or fused) into qkv_proj, o_proj; MLA and
+    linear attention by their own functions."""
+    n_heads = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_heads
+    d = config.get("head_dim") or config["hidden_size"] // n_heads
+    out: dict[str, torch.Tensor] = {}
+    q_norm, k_norm = hf.get(a + "self_attn.q_norm.weight"), hf.get(a + "self_attn.k_norm.weight")
+    if q_norm is not None and tuple(q_norm.shape) == (d,):  # Qwen3, Gemma3: one [head_dim] norm for all heads
+        out[a + "self_attn.q_norm.weight"], out[a + "self_attn.k_norm.weight"] = q_norm, k_norm
+    elif q_norm is not None:  # OLMo2 [heads * d], Cohere [heads, d]: each rank its heads, like q and k
+        per_head = k_norm.shape[0] // n_kv
+        out[a + "self_attn.q_norm.weight"] = rows(q_norm, r, p)
+        out[a + "self_attn.k_norm.weight"] = kv_rows(k_norm, r, p, n_kv, per_head)
+
+    if a + "self_attn.kv_a_proj_with_mqa.weight" in hf:
+        out.update(mla_shards(hf, a + "self_attn.", r, p))
+    for kind in ("weight", "bias"):
+        if a + f"self_attn.qkv_proj.{kind}" in hf:  # Phi-3: fused on disk as [q; k; v]
+            q, k, v = hf[a + f"self_attn.qkv_proj.{kind}"].split([n_heads * d, n_kv * d, n_kv * d])
+        elif a + f"self_attn.k_proj.{kind}" in hf:
+            q, k, v = (hf[a + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
+        else:
+            continue
+        out[a + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+            [rows(q, r, p), kv_rows(k, r, p, n_kv, d), kv_rows(v, r, p, n_kv, d)])
+    if a + "self_attn.o_proj.weight" in hf:
+        out[a + "self_attn.o_proj.weight"] = cols(hf[a + "self_attn.o_proj.weight"], r, p)
+    else:  # Qwen3-Next's linear-attention layers
+        out.update(linear_attention_shards(hf, config, a + "linear_attn.", r, p))
+    return out
+
+
+def moe_shards(hf: dict[str, torch.Tensor], moe: str, parts: tuple[str, str, str], r: int, p: int, ep_size: int,
+               local_expert_ids: list[int] | None) -> dict[str, torch.Tensor]:
+    """One sparse block (prefix `moe`): router, experts of this rank's EP group TP-split inside it, shared experts."""
+    g = p // ep_size  # ranks per EP group; each expert is TP-split g ways inside its group
+    group, t = r // g, r % g
+    out: dict[str, torch.Tensor] = {}
+    out[moe + "gate.weight"] = hf[moe + "gate.weight"]
+    n_experts = hf[moe + "gate.weight"].shape[0]
+    ids = local_expert_ids
+    if ids is None:
+        per_group = n_experts // ep_size
+        ids = list(range(group * per_group, (group + 1) * per_group))
+    w13, w2 = [], []
+    for e in sorted(ids):
+        gate, up, down = (hf[moe + f"experts.{e}.{x}.weight"] for x in parts)
+        w13.append(torch.cat([rows(gate, t, g), rows(up, t, g)]))
+        w2.append(cols(down, t, g))
+    out[moe + "experts.w13_weight"] = torch.stack(w13)
+    out[moe + "experts.w2_weight"] = torch.stack(w2)
+
+    if moe + "gate.e_score_correction_bias" in hf:  # DeepSeek-style router bias, replicated
+        out[moe + "gate.e_score_correction_bias"] = hf[moe + "gate.e_score_correction_bias"]
+    if moe + "shared_experts.gate_proj.weight" in hf:  # GLM-4.5 / DeepSeek: shared experts as a dense MLP
+        s = moe + "shared_experts."
+        out[s + "gate_up_proj.weight"] = torch.cat([rows(hf[s + "gate_proj.weight"], r, p),
+                                                    rows(hf[s + "up_proj.weight"], r, p)])
+        out[s + "down_proj.weight"] = cols(hf[s + "down_proj.weight"], r, p)
+    if moe + "shared_expert_gate.weight" in hf:  # Qwen2-MoE: shared expert split p ways like a dense MLP
+        s = moe + "shared_expert."
+        out[moe + "shared_expert_gate.weight"] = hf[moe + "shared_expert_gate.weight"]
+        out[s + "gate_up_proj.weight"] = torch.cat([rows(hf[s + "gate_proj.weight"], r, p),
+                                                    rows(hf[s + "up_proj.weight"], r, p)])
+        out[s + "down_proj.weight"] = cols(hf[s + "down_proj.weight"], r, p)
+    return out
 
 
 def gpt_shards(hf: dict[str, torch.Tensor], config: dict, r: int, p: int) -> dict[str, torch.Tensor]:
@@ -217,7 +232,7 @@ def gpt_oss_shards(hf: dict[str, torch.Tensor], config: dict, r: int, p: int, ep
     """GPT-OSS as vLLM's gpt_oss.py loads BF16 experts: attention under `attn.`, sinks by heads; experts stacked
     [E, H, 2I] / [E, I, H] on disk, sliced on the (interleaved) intermediate dim, then permuted to [E, 2I/g, H]
     / [E, H, I/g]; w2_bias whole on rank 0 of each expert group, zero elsewhere."""
-    n_heads, n_kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n_kv, d = config["num_key_value_heads"], config["head_dim"]
     g = p // ep_size
     group, t = r // g, r % g
     n_experts, inter = config["num_local_experts"], config["intermediate_size"]
