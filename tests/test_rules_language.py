@@ -120,3 +120,19 @@ def test_deepseek_moe_layers_follow_first_k_dense_and_moe_layer_freq():
     assert deepseek.members(dict(first_k_dense_replace=3), "moe_layers", range(6)) == {3, 4, 5}
     with pytest.raises(RuleError, match="stride=0"):
         deepseek.members(dict(first_k_dense_replace=1, moe_layer_freq=0), "moe_layers", range(6))
+
+
+def test_groups_names_a_dim_on_a_cut_style_and_when_can_negate(tmp_path):
+    from distload.rules import flag_holds
+
+    base = MINIMAL.replace('layers = "num_hidden_layers"', 'layers = "num_hidden_layers"\nheads = "num_attention_heads"')
+    rules = parse_rules(write(tmp_path, base.replace('style = "column"', 'style = "column"\ngroups = "heads"')))
+    assert rules.params[0].groups == "heads"
+    with pytest.raises(RuleError, match="groups names a \\[dims\\] entry"):
+        parse_rules(write(tmp_path, base.replace('style = "column"', 'style = "column"\ngroups = "nope"')))
+    with pytest.raises(RuleError, match="groups names a \\[dims\\] entry"):
+        parse_rules(write(tmp_path, base.replace('style = "column"', 'style = "replicate"\ngroups = "heads"')))
+    assert flag_holds("!q_lora_rank", {}) and flag_holds("!q_lora_rank", {"q_lora_rank": None})
+    assert not flag_holds("!q_lora_rank", {"q_lora_rank": 1536}) and flag_holds("q_lora_rank", {"q_lora_rank": 1536})
+    with pytest.raises(RuleError, match="when must name a config.json flag"):
+        parse_rules(write(tmp_path, base.replace('style = "column"', 'style = "column"\nwhen = "!"')))
