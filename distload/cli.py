@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=2e-2,
                    help="fail above this max |distload - transformers| / max |transformers| (or if argmax differs)")
     p.set_defaults(fn=cmd_verify)
+    from .rules_cmd import add_rules_parser  # `distload rules check FILE CKPT`
+
+    add_rules_parser(sub)
     return parser
 
 

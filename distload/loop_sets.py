@@ -3,6 +3,7 @@
     [sets.moe_layers]
     loop = "layer"
     every = "sparse_step"      # dim n: values v with (v + 1) % n == 0 (Qwen's decoder_sparse_step)
+    stride = "moe_freq"        # dim n: values v with v % n == 0 (DeepSeek's moe_layer_freq)
     from = "first_dense"       # dim k: values v >= k (DeepSeek's first_k_dense_replace)
     skip = "mlp_only_layers"   # config.json key holding a list of values left out (absent: none)
     [sets.full_attention]
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from .errors import RuleError
 
-SET_KEYS = {"loop", "every", "from", "skip", "list", "equals"}
+SET_KEYS = {"loop", "every", "stride", "from", "skip", "list", "equals"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class LoopSet:
     skip: str | None = None         # config.json key of a list of values left out
     per_value: str | None = None    # config.json key of a list with one entry per value (TOML key `list`)
     equals: str | None = None       # members: the values whose per_value entry equals this
+    stride: str | None = None       # dim n: v % n == 0
 
 
 def parse_sets(data: dict, where: str) -> dict[str, LoopSet]:
@@ -44,26 +46,27 @@ def parse_sets(data: dict, where: str) -> dict[str, LoopSet]:
                             f"got {sorted(table) if isinstance(table, dict) else table!r}")
         if table["loop"] not in data.get("loops", {}):
             raise RuleError(f"{where}: [sets.{set_name}] loop {table['loop']!r} is not in [loops]")
-        for key in ("every", "from"):
+        for key in ("every", "stride", "from"):
             if key in table and table[key] not in data.get("dims", {}):
                 raise RuleError(f"{where}: [sets.{set_name}] {key} names dim {table[key]!r}, not in [dims]")
         if ("list" in table) != ("equals" in table):
             raise RuleError(f"{where}: [sets.{set_name}] 'list' and 'equals' go together (the config.json list "
                             f"and the entry of the members)")
         out[set_name] = LoopSet(set_name, table["loop"], table.get("every"), table.get("from"), table.get("skip"),
-                                table.get("list"), table.get("equals"))
+                                table.get("list"), table.get("equals"), table.get("stride"))
     return out
 
 
 def members(s: LoopSet, dim, config: dict, values: range, where: str) -> set[int]:
     """The values of `values` in set `s`; dim(name) evaluates a [dims] name against config.json."""
     every = dim(s.every) if s.every else 1
+    stride = dim(s.stride) if s.stride else 1
     start = dim(s.start) if s.start else 0
     skipped = (config.get(s.skip) or []) if s.skip else []
-    if every < 1 or not isinstance(skipped, list) or not all(isinstance(v, int) for v in skipped):
-        raise RuleError(f"{where}: [sets] {s.name}: config.json gives every={every}, {s.skip}={skipped!r}; "
-                        f"expected every >= 1 and a list of integers")
-    chosen = {v for v in values if v >= start and (v + 1) % every == 0 and v not in skipped}
+    if every < 1 or stride < 1 or not isinstance(skipped, list) or not all(isinstance(v, int) for v in skipped):
+        raise RuleError(f"{where}: [sets] {s.name}: config.json gives every={every}, stride={stride}, "
+                        f"{s.skip}={skipped!r}; expected every, stride >= 1 and a list of integers")
+    chosen = {v for v in values if v >= start and (v + 1) % every == 0 and v % stride == 0 and v not in skipped}
     if s.per_value is None:
         return chosen
     entries = config.get(s.per_value)

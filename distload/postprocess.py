@@ -120,6 +120,7 @@ OPS = {
     "dequantize": _dequantize,
     "dequantize_block": _dequantize_block,
     **postprocess_4bit.OPS,
+    "transpose": lambda step, finals, staged: (staged.transpose(-2, -1).contiguous(),),  # plan/transpose.py
 }
 
 

@@ -32,11 +32,20 @@ experts a rank hosts, each cut by `inner` (column / row / merged / replicate) in
     parts = ["...experts.{expert}.gate_proj.weight", "...experts.{expert}.up_proj.weight"]
     # The same param from another checkpoint form (here: experts stacked on disk, [experts, 2*I, H]); per
     # target, the first form whose tensors are all in the checkpoint is used (else the most complete one,
-    # so that `missing` names what is really absent). Keys: parts, split, stacked; the rest is inherited.
+    # so that `missing` names what is really absent). Keys: parts, split, stacked, transposed; the rest is
+    # inherited.
     [[params."model.layers.{layer}.mlp.experts.w13_weight".alternative]]
     stacked = true                         # dim 0 of the source is the expert; each expert cut as above
     parts = ["model.layers.{layer}.mlp.experts.gate_up_proj"]
     split = ["moe_inter", "moe_inter"]     # rows per expert of each logical part
+
+`when = "flag"` keeps a param only where config.json's flag is true (`"!flag"`: false or absent, e.g. DeepSeek's
+q_proj without q_lora_rank); `groups = "heads"` makes a column / row / merged cut keep whole heads.
+
+`transposed = true` (a param or an alternative form): the checkpoint stores the param with its last two axes
+swapped (GPT-2's Conv1D [in, out]; GPT-OSS's stacked experts [E, in, out]). Shapes, `split` and the style
+are written for the serving orientation; each rank's shard is cut from the stored tensor and transposed once
+it has landed (plan/transpose.py).
 
 Params that exist only on some layers (an MoE model with a few dense MLP layers) name a *set* of loop
 values computed from config.json, and say `only = "<set>"` or `unless = "<set>"`:
@@ -60,14 +69,16 @@ from . import dim_expr, loop_sets, names
 from .errors import RuleError
 from .loop_sets import LoopSet
 
-STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "expert")
-INNER_STYLES = ("column", "row", "merged", "replicate")
+STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed", "expert",
+          "rank0")
+INNER_STYLES = ("column", "row", "merged", "replicate", "rank0")
 TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
             "remove", "drop_past"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
-              "dtype", "when"}
-DTYPE_POLICIES = ("float", "any-float")   # float: the checkpoint's weight dtype; any-float: any float width
-FORM_KEYS = {"parts", "split", "stacked"}      # what an `alternative` checkpoint form may change
+              "dtype", "when", "transposed", "groups"}
+# float: the checkpoint's weight dtype; any-float: any float width; float32: any float width, delivered as F32
+DTYPE_POLICIES = ("float", "any-float", "float32")
+FORM_KEYS = {"parts", "split", "stacked", "transposed"}      # what an `alternative` checkpoint form may change
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,8 @@ class ParamRule:
     shape: tuple[str, ...] = ()     # full logical shape, one dim expression per axis (style expert: one expert)
     dtype: str = "float"            # DTYPE_POLICIES: which stored dtypes the param accepts
     when: str | None = None         # a config.json flag: the target exists only where it is true
+    transposed: bool = False        # the sources store the param with its last two axes swapped (GPT-2 Conv1D)
+    groups: str | None = None       # a dim: the cut keeps whole groups of that many (heads): tp must divide it
 
     @property
     def forms(self) -> tuple["ParamRule", ...]:
@@ -217,14 +230,24 @@ def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, d
     if stacked and (len(parts) != 1 or "expert" in names.variables(parts[0])):
         raise RuleError(f"{where}: params.{target!r}: a stacked form has one source without {{expert}} "
                         f"(dim 0 is the expert); use split for its logical parts")
-    return dict(parts=parts, split=split, stacked=stacked)
+    transposed = table.get("transposed", False)
+    if not isinstance(transposed, bool) or (transposed and style in ("vocab", "replicate")):
+        raise RuleError(f"{where}: params.{target!r}: transposed = true takes a cut style (column, row, merged, qkv, "
+                        f"expert); a {style} param is loaded as stored")
+    return dict(parts=parts, split=split, stacked=stacked, transposed=transposed)
 
 
 def _parse_when(table: dict, target: str, where: str) -> str | None:
     when = table.get("when")
-    if when is not None and (not isinstance(when, str) or not when):
-        raise RuleError(f"{where}: params.{target!r}: when must name a config.json flag, got {when!r}")
+    if when is not None and (not isinstance(when, str) or not when.lstrip("!")):
+        raise RuleError(f"{where}: params.{target!r}: when must name a config.json flag (\"!flag\": where it is "
+                        f"false or absent), got {when!r}")
     return when
+
+
+def flag_holds(when: str, config: dict) -> bool:
+    """`when = "flag"`: config.json's flag is true (a non-zero size counts); `"!flag"`: it is false or absent."""
+    return not config.get(when[1:]) if when.startswith("!") else bool(config.get(when))
 
 
 def _parse_shape(table: dict, target: str, where: str, dims: dict) -> tuple[str, ...]:
@@ -273,7 +296,11 @@ def parse_rules(path) -> FamilyRules:
         pad_to = table.get("pad_to", 64)
         if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 1:
             raise RuleError(f"{where}: params.{target!r}: pad_to must be a positive integer, got {pad_to!r}")
-        common = dict(target=target, style=style, inner=inner, pad_to=pad_to,
+        groups = table.get("groups")
+        if groups is not None and (groups not in dims or (inner or style) not in ("column", "row", "merged")):
+            raise RuleError(f"{where}: params.{target!r}: groups names a [dims] entry (the heads a column, row or "
+                            f"merged cut keeps whole), got {groups!r} on style {inner or style}")
+        common = dict(target=target, style=style, inner=inner, pad_to=pad_to, groups=groups,
                       shape=_parse_shape(table, target, where, dims), dtype=table.get("dtype", "float"))
         if common["dtype"] not in DTYPE_POLICIES:
             raise RuleError(f"{where}: params.{target!r}: dtype {common['dtype']!r}; allowed: {', '.join(DTYPE_POLICIES)}")

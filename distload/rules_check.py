@@ -73,6 +73,8 @@ def _param_lines(plan, rules: FamilyRules, config: dict) -> list[str]:
         shown = ", ".join(f"{s.name} {list(s.shape)} {s.dtype}" for s in sources[:4])
         more = f", ... ({len(sources) - 4} more)" if len(sources) > 4 else ""
         out.append(f"    from {shown}{more}")
+        if rule is not None and rule.transposed:
+            out.append("    stored transposed (last two axes swapped): cut as stored, turned on landing")
         if rule is not None:
             logical = expected_shapes.logical_shape(rule, example, rules, config)
             if logical is None:

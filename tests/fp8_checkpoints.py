@@ -12,7 +12,7 @@ import torch
 
 from distload.kernels import quantize_fp8_block_reference, quantize_fp8_per_tensor_reference
 
-CKPT_LINEAR = re.compile(r"model\.layers\.\d+\.(.*_proj|.*experts\.\d+\.w[123])\.weight$")  # on disk
+CKPT_LINEAR = re.compile(r"model\.layers\.\d+\.(.*_proj(?:_with_mqa)?|.*experts\.\d+\.w[123])\.weight$")  # on disk
 
 
 def quantized_checkpoint(src: Path, out: Path, kind: str, *, block=(16, 16), ct: bool = False) -> Path:

@@ -12,22 +12,29 @@ from distload.plan import build_plan
 from distload.rules import rules_for
 from distload.topology import Layout
 from checks import differences, tensor_bytes
-from hf_models import LAYOUT_FAMILIES, save_checkpoint
+from hf_models import LAYOUT_FAMILIES, save_checkpoint, save_internlm2_checkpoint, with_mtp_layer
 from spawn import run_ranks
 from test_plan import arange_values, assert_matches_oracle
 
 EXPECTED_FAMILY = {"gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2", "olmo2_mqa": "olmo2",
-                   "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere"}
+                   "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere",
+                   "gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode",
+                   "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next", "deepseek_v3": "deepseek_v3",
+                   "deepseek_v3_no_q_lora": "deepseek_v3", "gpt_oss": "gpt_oss",
+                   "internlm2": "internlm2", "internlm2_mqa": "internlm2"}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {fam: str(save_checkpoint(fam, root / fam)) for fam in LAYOUT_FAMILIES}
+    out = {fam: str(save_checkpoint(fam, root / fam)) for fam in LAYOUT_FAMILIES}
+    out["internlm2"] = str(save_internlm2_checkpoint(root / "internlm2"))    # not built by transformers offline
+    out["internlm2_mqa"] = str(save_internlm2_checkpoint(root / "internlm2_mqa", num_key_value_heads=1))
+    return out
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("family", sorted(LAYOUT_FAMILIES))
+@pytest.mark.parametrize("family", sorted(LAYOUT_FAMILIES) + ["internlm2", "internlm2_mqa"])
 def test_plan_matches_the_serving_layout(checkpoints, family, tp):
     index = discover(checkpoints[family])
     entries, config = dict(index.tensors), dict(index.config)
@@ -35,7 +42,60 @@ def test_plan_matches_the_serving_layout(checkpoints, family, tp):
     assert rules.name == EXPECTED_FAMILY[family]
     plan = build_plan(entries, config, rules, Layout(world=tp, tp=tp))
     assert plan.missing == () and plan.unexpected == ()
-    assert_matches_oracle(plan, arange_values(entries), config)
+    if any(plan.post):  # params stored transposed: staged as stored, then a transpose step
+        assert_staged_matches_oracle(plan, arange_values(entries), config)
+    else:
+        assert_matches_oracle(plan, arange_values(entries), config)
+
+
+def staged_shards(plan, rank: int, values: dict) -> dict:
+    """Rank's params from the pure plan of a load with post-load transposes: every staged element delivered
+    exactly once (padding: never, and zero), then transposed as the plan's steps say."""
+    import torch
+
+    from distload.dtypes import torch_dtype
+    from distload.plan.shard import view2d
+    from test_plan import put
+
+    staging = plan.staging_specs(rank)
+    bufs = {n: torch.zeros(view2d(s.local_shape), dtype=torch_dtype(s.dtype))
+            for n, s in staging.items() if s.alias_of is None}
+    count = {n: torch.zeros(b.shape, dtype=torch.int64) for n, b in bufs.items()}
+    for src in plan.sources.values():
+        v = values[src.name].reshape(view2d(src.shape))
+        for d in (d for d in src.deliveries if d.rank == rank):
+            pc = d.piece
+            put(bufs[d.param], pc, v[pc.rows[0]:pc.rows[1], pc.cols[0]:pc.cols[1]])
+            put(count[d.param], pc, count[d.param][pc.dst_row:pc.dst_row + pc.rows[1] - pc.rows[0],
+                                                    pc.dst_col:pc.dst_col + pc.cols[1] - pc.cols[0]] + 1)
+    for n, c in count.items():
+        for r0, r1, c0, c1 in staging[n].padding:
+            assert not c[r0:r1, c0:c1].any(), f"rank {rank} {n}: padding is written"
+            c[r0:r1, c0:c1] += 1
+        assert torch.equal(c, torch.ones_like(c)), f"rank {rank} {n}: not covered exactly once"
+    got = {n: b.reshape(staging[n].local_shape) for n, b in bufs.items()}
+    for step in plan.post[rank]:
+        assert step.op == "transpose" and step.inputs == step.outputs
+        got[step.inputs[0]] = got[step.inputs[0]].transpose(-2, -1)
+    for n, s in plan.specs[rank].items():
+        if s.alias_of is not None:
+            got[n] = got[s.alias_of]
+        assert tuple(got[n].shape) == s.local_shape, n
+    return got
+
+
+def assert_staged_matches_oracle(plan, values, config) -> None:
+    """The pure plan of a load with post-load transposes against the oracle, on every rank."""
+    import torch
+
+    from layout_oracle import serving_shards
+
+    for rank in range(plan.layout.world):
+        got = staged_shards(plan, rank, values)
+        want = serving_shards(values, config, plan.layout.tp_rank(rank), plan.layout.tp)
+        assert set(got) == set(want), set(got) ^ set(want)
+        for n, t in want.items():
+            assert torch.equal(got[n], t), f"rank {rank} {n} differs from the oracle"
 
 
 def test_the_family_files_need_their_constructs(checkpoints):
@@ -72,3 +132,67 @@ def _load_all(checkpoints: dict) -> list[str]:
 def test_real_loads_are_exact_on_every_rank(checkpoints, world):
     problems = [p for r in run_ranks(world, _load_all, checkpoints) for p in r]
     assert not problems, "\n".join(problems)
+
+
+def test_gpt2_conv1d_weights_are_staged_as_stored_and_transposed_after_landing(checkpoints):
+    from dataclasses import replace
+
+    from distload.errors import PlanError
+
+    index = discover(checkpoints["gpt2"])
+    entries, config = dict(index.tensors), dict(index.config)
+    plan = build_plan(entries, config, rules_for(config), Layout(world=2, tp=2))
+    name = "transformer.h.0.mlp.c_fc.weight"
+    assert plan.staging_specs(1)[name].local_shape == (64, 128) and plan.specs[1][name].local_shape == (128, 64)
+    assert {s.op for steps in plan.post for s in steps} == {"transpose"}
+    from distload.rules_check import explain
+
+    text = explain(rules_for(config), entries, config, tp=2).text
+    assert ("transformer.h.{layer}.mlp.c_fc.weight  [column] x2: global [256, 64], rank 0 holds [128, 64]\n"
+            "    from transformer.h.0.mlp.c_fc.weight [64, 256] F32\n    stored transposed") in text
+    # A checkpoint saved [out, in] (not GPT-2's Conv1D) is refused, naming the stored shape the rule expects.
+    e = entries[name]
+    with pytest.raises(PlanError, match=r"c_fc.weight has 256 rows but config.json says hidden = 64.*looks transposed"):
+        build_plan({**entries, name: replace(e, shape=(256, 64))}, config, rules_for(config), Layout(world=2, tp=2))
+    with pytest.raises(PlanError, match="a transposed param cannot also be quantized"):
+        build_plan(entries, config, rules_for(config), Layout(world=2, tp=2), quantize="fp8")
+
+
+def test_the_mtp_layer_after_the_decoder_is_read_not_at_all(checkpoints, tmp_path):
+    path, extra = with_mtp_layer(checkpoints["glm4_moe"], tmp_path / "mtp")
+    index = discover(path)
+    plan = build_plan(dict(index.tensors), dict(index.config), rules_for(index.config), Layout(world=2, tp=2))
+    assert plan.unexpected == () and set(extra) <= set(plan.ignored)
+    assert not set(extra) & set(plan.sources)                     # no byte of it is read
+    assert any("model.layers.2" in note for note in plan.notes)   # and the report says it was skipped
+
+
+def test_qwen3_next_keeps_whole_key_head_groups(checkpoints):
+    """in_proj_qkvz packs q, k, v, z per key head: a tp that would split a group is refused, though its rows
+    divide (4 key heads, tp 8: 192 rows per rank of 1536)."""
+    from distload.errors import PlanError
+
+    index = discover(checkpoints["qwen3_next"])
+    with pytest.raises(PlanError, match=r"linear_attn\.[\w.]+ \(rule \w+\): 4 heads \(rule groups\), tp=8"):
+        build_plan(dict(index.tensors), dict(index.config), rules_for(index.config), Layout(world=8, tp=8))
+
+
+def test_a_packed_wqkv_cut_as_plain_qkv_plans_but_differs_from_the_oracle(checkpoints, tmp_path):
+    """The shapes match, so no plan can tell the wrong style: only comparing shards (or logits) catches it."""
+    import torch
+
+    from distload.rules import parse_rules
+    from layout_oracle import serving_shards
+    from test_plan import materialise_from_deliveries
+
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('name = "wrong"\narchitectures = ["X"]\nextends = "internlm2"\n'
+                     '[params."model.layers.{layer}.attention.wqkv.weight"]\nstyle = "qkv"\n')
+    index = discover(checkpoints["internlm2"])
+    entries, config = dict(index.tensors), dict(index.config)
+    values = arange_values(entries)
+    name = "model.layers.0.attention.wqkv.weight"
+    for rules, equal in ((rules_for(config), True), (parse_rules(wrong), False)):
+        plan = build_plan(entries, config, rules, Layout(world=2, tp=2))
+        got = materialise_from_deliveries(plan, 1, values)[name]
+        assert torch.equal(got, serving_shards(values, config, 1, 2)[name]) == equal

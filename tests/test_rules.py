@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import textwrap
 from pathlib import Path
 
@@ -304,83 +303,3 @@ def test_rules_for_override(tmp_path):
     assert rules_for({"architectures": ["LlamaForCausalLM"]}, override=str(path)).name == "toy"
     with pytest.raises(RuleError, match="no such file"):
         rules_for({}, override=str(tmp_path / "nope.toml"))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Language constructs: arithmetic, extends of a shipped family, remove, sets from a config list, drop_past
-
-
-def test_eval_dim_arithmetic_with_precedence_and_parentheses():
-    config = dict(num_attention_heads=4, head_dim=16, hidden_size=64, n=3)
-    assert eval_dim("num_attention_heads * head_dim", config, "w") == 64
-    assert eval_dim("(num_attention_heads + 2 * n) * head_dim", config, "w") == 160
-    assert eval_dim("missing * 2|hidden_size - n + 1", config, "w") == 62
-    with pytest.raises(RuleError, match="unexpected '%'"):
-        eval_dim("hidden_size % 2", config, "w")
-    with pytest.raises(RuleError, match="ends too early"):
-        eval_dim("(hidden_size * 2", config, "w")
-    with pytest.raises(RuleError, match="unexpected '\\)'"):
-        eval_dim("hidden_size * 2)", config, "w")
-
-
-def test_a_user_file_extends_a_shipped_family_and_removes_an_inherited_param(tmp_path):
-    path = write(tmp_path, """\
-        name = "mine"
-        architectures = ["MineForCausalLM"]
-        extends = "llama"
-        remove = ["model.layers.{layer}.input_layernorm.weight"]
-        [params."model.layers.{layer}.post_feedforward_layernorm.weight"]
-        style = "replicate"
-        shape = ["hidden"]
-        """)
-    rules = parse_rules(path)
-    targets = {r.target for r in rules.params}
-    assert "model.layers.{layer}.mlp.down_proj.weight" in targets                 # from the shipped llama
-    assert "model.layers.{layer}.input_layernorm.weight" not in targets
-    assert "model.layers.{layer}.post_feedforward_layernorm.weight" in targets
-
-
-@pytest.mark.parametrize("body,needle", [
-    ('extends = "llama"\nremove = ["model.nope.weight"]\n', "remove names 'model.nope.weight', which 'llama' does not define"),
-    ('remove = ["model.norm.weight"]\n', "this file extends none"),
-    ('extends = "../llama"\n', "extends must name a family"),
-    ('extends = "llama"\nremove = ["model.norm.weight"]\n[params."model.norm.weight"]\nstyle = "replicate"\n',
-     "both removed and defined"),
-    ('extends = "llama"\ndrop_past = ["model.layers"]\n', "drop_past entry 'model.layers' must be a name template"),
-])
-def test_remove_and_extends_errors(tmp_path, body, needle):
-    path = write(tmp_path, 'name = "mine"\narchitectures = ["X"]\n' + body)
-    with pytest.raises(RuleError, match=re.escape(needle)):
-        parse_rules(path)
-
-
-def test_a_set_from_a_config_list(tmp_path):
-    path = write(tmp_path, MINIMAL + """\
-        [sets.full]
-        loop = "layer"
-        list = "layer_types"
-        equals = "full_attention"
-        """)
-    rules = parse_rules(path)
-    config = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
-    assert rules.members(config, "full", range(4)) == {1, 3}
-    with pytest.raises(RuleError, match="layer_types should be a list with one entry per layer"):
-        rules.members(dict(layer_types=["full_attention"]), "full", range(4))
-    with pytest.raises(RuleError, match="'list' and 'equals' go together"):
-        parse_rules(write(tmp_path, MINIMAL + '[sets.full]\nloop = "layer"\nlist = "layer_types"\n'))
-
-
-def test_drop_past_takes_only_the_tensors_after_the_loop():
-    from distload.loop_sets import past_loops
-
-    names = ["model.layers.1.mlp.w", "model.layers.2.mlp.w", "model.layers.2", "model.layers.10.eh_proj.weight",
-             "model.layers2.x", "model.norm.weight"]
-    assert past_loops(["model.layers.{layer}"], names, {"layer": range(2)}) == {
-        "model.layers.2.mlp.w", "model.layers.2", "model.layers.10.eh_proj.weight"}
-
-
-def test_unknown_top_and_param_keys_are_errors(tmp_path):
-    with pytest.raises(RuleError, match="unknown keys \\['transpose'\\]"):
-        parse_rules(write(tmp_path, MINIMAL + 'transpose = true\n'))
-    with pytest.raises(RuleError, match="unknown keys \\['transposed'\\]"):
-        parse_rules(write(tmp_path, MINIMAL.replace('style = "column"', 'style = "column"\ntransposed = true')))

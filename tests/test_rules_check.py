@@ -49,3 +49,23 @@ def test_a_refused_shape_is_shown_as_the_error(llama):
     result = explain(rules_for(index.config), entries, dict(index.config))
     assert not result.ok
     assert result.lines[-1].startswith("error: model.norm.weight has 300 rows but config.json says hidden = 64")
+
+
+def test_the_command_line_prints_the_explanation_and_exits_by_its_verdict(llama, tmp_path, capsys):
+    from distload.cli import main
+
+    assert main(["rules", "check", str(CONFIGS / "llama.toml"), llama, "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "at tp 2" in out and out.splitlines()[-1].startswith("OK")
+    assert main(["rules", "check", "auto", llama]) == 0      # the family config.json selects
+    assert "(family llama)" in capsys.readouterr().out
+    assert main(["rules", "check", "qwen2", llama]) == 1     # a shipped family by name, the wrong one
+    assert "NOT OK" in capsys.readouterr().out
+
+
+def test_the_command_line_names_an_unknown_rules_file(llama, capsys):
+    from distload.cli import main
+
+    assert main(["rules", "check", "no_such_family", llama]) == 1
+    err = capsys.readouterr().err
+    assert "no_such_family: no such file, nor a shipped family" in err and "llama" in err

@@ -103,7 +103,8 @@ def test_piece_numel():
 
 
 def test_cuts_is_the_closed_set_of_dense_styles():
-    assert set(CUTS) == {"replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped"}
+    assert set(CUTS) == {"replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed",
+                         "rank0"}
 
 
 @pytest.mark.parametrize("vocab,p,pad_to,expected", [

@@ -10,7 +10,8 @@ from __future__ import annotations
 from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
-from . import expected_shapes, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts, quant_steps
+from . import (expected_shapes, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts, quant_steps,
+               transpose)
 from .bounds import check_loop_bounds
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_hosts
@@ -44,11 +45,11 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     hosts = None
     if any(t.rule.style == "expert" for t in match.targets):
         hosts = expert_hosts(rules.dim(config, "experts"), layout)
-    planned = {t.name: layouts_for_target(t, index, rules, config, layout, hosts) for t in match.targets}
-    # Every claimed tensor against the full shape and dtype the rules imply (the cuts above check only the
-    # sizes they use), before any byte is read.
+    # Every claimed tensor against the full shape and dtype the rules imply, before the cuts (which check only
+    # the sizes they use, and would name a rule's dims where this names config.json's keys).
     expected_shapes.check_shapes(match.targets, index, rules, config)
     expected_shapes.check_dtypes(match.targets, companions, index, quantized=scheme is not None)
+    planned = {t.name: layouts_for_target(t, index, rules, config, layout, hosts) for t in match.targets}
     for c in companions:  # cut from the weight's own layout, so weight and scale shards always match
         t = by_name[c.weight]
         group = layout.expert_group_size if t.rule.style == "expert" else layout.tp
@@ -64,6 +65,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     else:
         final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
                                                          quantize=quantize, dequantize=dequantize)
+    specs, post = transpose.stage(specs, post, by_name)   # params stored transposed land, then turn
 
     sources = _sources(deliveries, index, layout.world)  # index: flat 4-bit tensors as their 2-D views
     runs = reader_spans(sources, layout)

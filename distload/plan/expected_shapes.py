@@ -10,7 +10,8 @@ dims, else equal parts); `transposed` sources store it with the last two axes sw
 Dtype policy (one place, explicit): a param is floating point. `dtype = "float"` (the default) takes the
 checkpoint's weight dtype, the float dtype holding the most bytes, and no other width: distload never casts,
 so a param of another width would load as stored. `dtype = "any-float"` accepts any float width (norms or
-routers some checkpoints keep in F32). FP8 only where config.json declares a quantization (plan/quant.py checks
+routers some checkpoints keep in F32); `dtype = "float32"` accepts any float width and delivers the param as F32
+(converted while its pieces land: vLLM keeps DeepSeek's e_score_correction_bias in fp32 whatever is stored). FP8 only where config.json declares a quantization (plan/quant.py checks
 the scales); integer and bool dtypes are always refused.
 """
 
@@ -53,7 +54,7 @@ def shape_exprs(rule, target_name: str, rules) -> tuple[str, ...]:
     have = set(rules.dims)
     if style == "vocab" and {"vocab", "hidden"} <= have:
         return ("vocab", "hidden")
-    if style in ("qkv", "qkv_grouped") and {"heads", "kv_heads", "head_dim", "hidden"} <= have:
+    if style in ("qkv", "qkv_grouped", "qkv_packed") and {"heads", "kv_heads", "head_dim", "hidden"} <= have:
         rows = "(heads + 2 * kv_heads) * head_dim"
         return (rows,) if target_name.endswith(".bias") else (rows, "hidden")
     return ()
@@ -98,7 +99,7 @@ def expected_sources(target, rules, config: dict) -> list[Expected]:
     logical = logical_shape(rule, target.name, rules, config)
     if logical is None:
         return []
-    keys, transposed = logical.keys, False
+    keys, transposed = logical.keys, rule.transposed
     if rule.style == "expert" and rule.stacked:
         experts, used = rules.dim_keys(config, "experts")
         (src,) = target.sources
@@ -160,6 +161,11 @@ def check_shapes(targets, tensors: dict, rules, config: dict) -> int:
                 raise PlanError(mismatch_message(t.name, expected, found, rules, config))
             checked += 1
     return checked
+
+
+def delivered_dtype(rule, stored: str) -> str:
+    """The dtype a param is delivered in: as stored, or F32 for `dtype = "float32"` rules."""
+    return "F32" if rule.dtype == "float32" and stored in FLOATS else stored
 
 
 def weight_dtype(targets, tensors: dict) -> str | None:

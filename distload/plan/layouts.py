@@ -10,9 +10,11 @@ from __future__ import annotations
 from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
+from .expected_shapes import delivered_dtype
 from .experts import expert_hosts
-from .parts import check_vocab, logical_parts
+from .parts import check_vocab, logical_parts, oriented_shape, vector_experts
 from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
+from .transpose import stored_layout
 from .types import ParamSpec, Target
 
 
@@ -45,6 +47,8 @@ def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, 
     sizes = {}
     if (rule.inner or rule.style) in HEAD_STYLES:
         sizes = dict(heads=rules.dim(config, "heads"), kv_heads=rules.dim(config, "kv_heads"))
+    if rule.groups:  # whole heads per rank (rule key groups)
+        sizes["groups"] = rules.dim(config, rule.groups)
     if rule.style == "expert":
         return _expert_layouts(target, index, rules, config, layout, hosts, sizes)
     return _dense_layouts(target, index, rules, config, layout, sizes)
@@ -57,7 +61,7 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
     if rule.style == "vocab":
         check_vocab(target, parts, rules, config)
     style = effective_style(rule.style, len(entries[0].shape))
-    shape0 = entries[0].shape
+    shape0 = oriented_shape(entries[0].shape, rule.transposed)
     global_shape = (sum(p.rows for p in parts),) + tuple(shape0[1:]) if len(parts) > 1 or rule.split else shape0
     if style == "qkv" and len(entries) == 1:
         global_shape = shape0
@@ -65,8 +69,8 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
     for r in range(layout.world):
         lay = cut(style, parts, layout.tp, layout.tp_rank(r), f"{target.name} (rule {rule.style})",
                   pad_to=rule.pad_to, **sizes)
-        lays.append(lay)
-        specs.append(ParamSpec(target.name, rule.style, entries[0].dtype, tuple(global_shape),
+        lays.append(stored_layout(lay, target, index, lay.rows))
+        specs.append(ParamSpec(target.name, rule.style, delivered_dtype(rule, entries[0].dtype), tuple(global_shape),
                                local_shape(style, tuple(global_shape), lay), lay.padding))
     return specs, lays
 
@@ -75,7 +79,7 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
     """(per expert its logical parts, the shape of one expert), checked: every expert has one shape."""
     if target.rule.stacked:
         (src,) = target.sources
-        shape = tuple(index[src].shape)
+        shape = oriented_shape(index[src].shape, target.rule.transposed, stacked=True)
         if len(shape) < 2 or shape[0] != num_experts:
             raise PlanError(f"{where}: {src} has shape {list(shape)}, but a stacked expert tensor has dim 0 = "
                             f"num experts = {num_experts} (config.json); the checkpoint and config.json disagree")
@@ -84,7 +88,8 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
                 for e in range(num_experts)], shape[1:]
     per_expert_parts = [logical_parts(target, list(target.expert_sources[e]), index, rules, config)
                         for e in range(num_experts)]
-    one_expert = (sum(p.rows for p in per_expert_parts[0]),) + tuple(index[target.sources[0]].shape[1:])
+    one_expert = (sum(p.rows for p in per_expert_parts[0]),) + \
+        oriented_shape(index[target.sources[0]].shape, target.rule.transposed)[1:]
     sizes_of = [tuple((p.rows, p.cols) for p in parts) for parts in per_expert_parts]
     odd = [e for e in range(num_experts) if sizes_of[e] != sizes_of[0]]
     if odd:
@@ -102,8 +107,9 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     where = f"{target.name} (rule expert/{rule.inner} in {rules.source})"
     per_expert_parts, one_expert = _expert_parts(target, index, rules, config, num_experts, where)
     inner = effective_style(rule.inner, len(one_expert))
-    global_shape = (num_experts,) + tuple(one_expert)
-    dtype = index[target.sources[0]].dtype
+    vector = vector_experts(target, index)   # [experts, n] as stored, cut as [experts, n, 1]
+    global_shape = (num_experts,) + tuple(one_expert[:1] if vector else one_expert)
+    dtype = delivered_dtype(rule, index[target.sources[0]].dtype)
     specs, lays = [], []
     for r in range(layout.world):
         t = layout.rank_in_expert_group(r)
@@ -113,10 +119,13 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
         for slot, e in enumerate(hosts[r]):
             lay = cut(inner, per_expert_parts[e], g, t, f"{where} expert {e}", label="tp-in-expert-group", **sizes)
             pieces += [Piece(p.source, p.rows, p.cols, p.dst_row + slot * lay.rows, p.dst_col) for p in lay.pieces]
+            padding += tuple((a + slot * lay.rows, b + slot * lay.rows, c, d) for a, b, c, d in lay.padding)
         inner_local = local_shape(inner, tuple(one_expert), LocalLayout(rows, cols, ()))
-        lays.append(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding))
-        specs.append(ParamSpec(target.name, "expert", dtype, global_shape, (len(hosts[r]),) + inner_local, (), None,
-                               hosts[r]))
+        lays.append(stored_layout(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding), target, index,
+                                  rows, num_experts))
+        specs.append(ParamSpec(target.name, "expert", dtype, global_shape,
+                               (len(hosts[r]),) + (inner_local[:1] if vector else inner_local), lays[-1].padding,
+                               None, hosts[r]))
     return specs, lays
 
 

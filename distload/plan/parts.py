@@ -14,14 +14,33 @@ from .shard import Part, view2d
 from .types import Target
 
 
+def oriented_shape(shape, transposed: bool, what: str = "", stacked: bool = False) -> tuple[int, ...]:
+    """A source's shape as the rule's styles see it: as stored, or with its last two axes swapped back; a
+    stacked [experts, n] source (one vector per expert: GPT-OSS's expert biases) as [experts, n, 1]."""
+    shape = tuple(shape)
+    if stacked and len(shape) == 2 and not transposed:
+        return shape + (1,)
+    if not transposed:
+        return shape
+    if len(shape) < 2:
+        raise PlanError(f"{what}: a transposed source has at least 2 dims, got {list(shape)}; "
+                        f"drop `transposed` from the rule for 1-D tensors (biases, norms)")
+    return shape[:-2] + (shape[-1], shape[-2])
+
+
+def vector_experts(target, index) -> bool:
+    """Is the target a stacked [experts, n] source, one vector per expert (seen as [experts, n, 1])?"""
+    return target.rule.stacked and not target.rule.transposed and len(index[target.sources[0]].shape) == 2
+
+
 def logical_parts(target: Target, sources: list[str], index: dict, rules: FamilyRules, config: dict,
                   row0: int = 0, rows: int | None = None) -> list[Part]:
     """The logical parts of one target (or of one expert of it: rows [row0, row0 + rows) of a stacked source)."""
     rule = target.rule
     style = rule.inner if rule.style == "expert" else rule.style
     entries = [index[s] for s in sources]
-    shapes = [view2d(e.shape) for e in entries]
     where = f"{target.name} (rule {rule.style} in {rules.source})"
+    shapes = [view2d(oriented_shape(e.shape, rule.transposed, f"{where}: {e.name}", rule.stacked)) for e in entries]
     if len({e.dtype for e in entries}) > 1:
         raise PlanError(f"{where}: parts have different dtypes "
                         + ", ".join(f"{e.name}={e.dtype}" for e in entries) + "; re-save the checkpoint with one dtype")

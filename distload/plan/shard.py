@@ -5,7 +5,8 @@ No I/O, no process group: every rule is testable in microseconds. Every tensor i
 rows of dim 0 (`column`, `vocab`, `merged`, `qkv`) or columns of the last dim (`row`).
 
     style      rank r of p holds                                  (DESIGN §4.1)
-    replicate  the whole tensor
+    replicate  the whole tensor (several parts: concatenated in part order, merged but not split)
+    rank0      the whole tensor on rank 0, zeros elsewhere (a bias the group sums, added once)
     column     rows [r*n/p, (r+1)*n/p)
     row        columns [r*n/p, (r+1)*n/p)
     vocab      rows of block r after zero-padding n to a multiple of lcm(pad_to, p)
@@ -15,6 +16,11 @@ rows of dim 0 (`column`, `vocab`, `merged`, `qkv`) or columns of the last dim (`
     qkv_grouped  one fused tensor packed per kv head (InternLM2 wqkv: per kv head its H/Hkv q heads, then
                k, then v); rank r holds its kv groups whole, or when p > Hkv one group's share of q heads
                and the group's k and v (replicated), keeping the packed order
+
+    qkv_packed the same packed source cut into qkv's layout cat[q_r, k_r, v_r] (what vLLM serves for InternLM2)
+
+column, row and merged take `groups` (rule key: a number of heads): p must divide it, so a rank never holds
+part of a head even where the rows would divide (DeepSeek MLA's q_b_proj / kv_b_proj, Qwen3-Next's groups).
 """
 
 from __future__ import annotations
@@ -97,21 +103,32 @@ def _stack_rows(blocks: list[tuple[Part, tuple[int, int]]]) -> LocalLayout:
 
 
 def cut_replicate(parts, p, r, what, label="tp", **_) -> LocalLayout:
-    (part,) = parts
-    return LocalLayout(part.rows, part.cols, (_whole(part),))
+    """The whole tensor; several parts (DeepSeek MLA's fused_qkv_a_proj): concatenated, merged but not split."""
+    return _stack_rows([(part, (part.row0, part.row0 + part.rows)) for part in parts])
 
 
-def cut_column(parts, p, r, what, label="tp", **_) -> LocalLayout:
+def _check_groups(groups: int | None, p: int, what: str, label: str) -> None:
+    """A cut that must keep whole heads (rule key `groups`): p divides their number."""
+    if groups is not None and groups % p:
+        sizes = valid_group_sizes(lambda q: groups % q == 0, upto=max(8, min(groups, 64)))
+        raise PlanError(f"{what}: {groups} heads (rule groups), {label}={p}: {label} must divide {groups} so that "
+                        f"each rank holds whole heads (try {label} {', '.join(map(str, sizes))})")
+
+
+def cut_column(parts, p, r, what, label="tp", groups=None, **_) -> LocalLayout:
     (part,) = parts
+    _check_groups(groups, p, what, label)
     return _stack_rows([(part, _rows_block(part, p, r, what, label))])
 
 
-def cut_merged(parts, p, r, what, label="tp", **_) -> LocalLayout:
+def cut_merged(parts, p, r, what, label="tp", groups=None, **_) -> LocalLayout:
+    _check_groups(groups, p, what, label)
     return _stack_rows([(part, _rows_block(part, p, r, what, label)) for part in parts])
 
 
-def cut_row(parts, p, r, what, label="tp", **_) -> LocalLayout:
+def cut_row(parts, p, r, what, label="tp", groups=None, **_) -> LocalLayout:
     (part,) = parts
+    _check_groups(groups, p, what, label)
     if part.cols % p:
         raise _divides_hint(part.cols, what, label, p, f"columns of {part.source}")
     n = part.cols // p
@@ -198,8 +215,69 @@ def cut_qkv_grouped(parts, p, r, what, label="tp", heads=None, kv_heads=None, **
     return _stack_rows([(part, (q0, q0 + share * head_rows)), (part, (kv0, kv0 + 2 * head_rows))])
 
 
+def transpose_layout(lay: LocalLayout, matrices: dict[str, tuple[int, int]], dst_matrix_rows: int) -> LocalLayout:
+    """A layout cut in serving orientation, seen in stored orientation (sources with their last two axes swapped).
+
+    `lay` stacks K local matrices of `dst_matrix_rows` rows each (K = 1, or one per hosted expert); matrices[src]
+    = (rows, cols) of one serving-orientation matrix of src (a stacked source holds several). Each piece becomes
+    the same rectangle in the stored source, landing in the transposed local matrices: [K * cols, dst_matrix_rows].
+    """
+    pieces = []
+    for pc in lay.pieces:
+        rows, cols = matrices[pc.source]
+        m = pc.rows[0] // rows
+        if pc.rows[1] > (m + 1) * rows:
+            raise PlanError(f"{pc.source}: a piece spans two stacked matrices; a transposed cut stays in one")
+        k, x = divmod(pc.dst_row, dst_matrix_rows)
+        pieces.append(Piece(pc.source, (m * cols + pc.cols[0], m * cols + pc.cols[1]),
+                            (pc.rows[0] - m * rows, pc.rows[1] - m * rows), k * lay.cols + pc.dst_col, x))
+    padding = []
+    for r0, r1, c0, c1 in lay.padding:  # zero regions move the same way (each inside one matrix)
+        k = r0 // dst_matrix_rows
+        padding.append((k * lay.cols + c0, k * lay.cols + c1, r0 - k * dst_matrix_rows, r1 - k * dst_matrix_rows))
+    return LocalLayout(rows=(lay.rows // dst_matrix_rows) * lay.cols if dst_matrix_rows else 0,
+                       cols=dst_matrix_rows, pieces=tuple(pieces), padding=tuple(padding))
+
+
+def cut_rank0(parts, p, r, what, label="tp", **_) -> LocalLayout:
+    """The whole tensor on rank 0 of the group, zeros on the others: a row layer's bias that the group sums
+    (vLLM's GPT-OSS w2_bias under TP: added once, by rank 0)."""
+    (part,) = parts
+    if r == 0:
+        return LocalLayout(part.rows, part.cols, (_whole(part),))
+    return LocalLayout(part.rows, part.cols, (), ((0, part.rows, 0, part.cols),))
+
+
+def _merged_runs(part: Part, starts: list[int], size: int) -> list[tuple[Part, tuple[int, int]]]:
+    """Row ranges [start, start + size) of `part`, neighbours merged: one piece per contiguous run."""
+    runs: list[list[int]] = []
+    for a in starts:
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = a + size
+        else:
+            runs.append([a, a + size])
+    return [(part, (part.row0 + a, part.row0 + b)) for a, b in runs]
+
+
+def cut_qkv_packed(parts, p, r, what, label="tp", heads=None, kv_heads=None, **_) -> LocalLayout:
+    """One fused source packed per kv-head group (InternLM2 wqkv), cut into the plain qkv layout
+    cat[q_r, k_r, v_r] that vLLM serves (it unpacks the groups while loading)."""
+    (part,) = parts
+    _check_heads(heads, kv_heads, p, what, label)
+    q_per_group = heads // kv_heads
+    hd = _head_rows(part, kv_heads * (q_per_group + 2), what)
+    group = (q_per_group + 2) * hd
+    q_heads = range(r * (heads // p), (r + 1) * (heads // p))
+    first, count = _kv_span(kv_heads, p, r)
+    q = [(h // q_per_group) * group + (h % q_per_group) * hd for h in q_heads]
+    k = [g * group + q_per_group * hd for g in range(first, first + count)]
+    v = [a + hd for a in k]
+    return _stack_rows(_merged_runs(part, q, hd) + _merged_runs(part, k, hd) + _merged_runs(part, v, hd))
+
+
 CUTS = {
     "replicate": cut_replicate,
+    "rank0": cut_rank0,
     "column": cut_column,
     "row": cut_row,
     "vocab": cut_vocab,
@@ -207,8 +285,9 @@ CUTS = {
     "qkv": cut_qkv,
     "kv": cut_kv,
     "qkv_grouped": cut_qkv_grouped,
+    "qkv_packed": cut_qkv_packed,
 }
-HEAD_STYLES = ("qkv", "kv", "qkv_grouped")   # the cuts that need heads and kv_heads from config.json
+HEAD_STYLES = ("qkv", "kv", "qkv_grouped", "qkv_packed")   # the cuts that need heads and kv_heads from config.json
 
 
 def cut(style: str, parts: list[Part], p: int, r: int, what: str, label: str = "tp", **sizes) -> LocalLayout:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .. import loop_sets, names
 from ..errors import PlanError, RuleError
-from ..rules import FamilyRules, ParamRule
+from ..rules import FamilyRules, ParamRule, flag_holds
 from .types import Target
 
 
@@ -59,7 +59,7 @@ def expand_targets(rules: FamilyRules, config: dict, tensors) -> tuple[list[Targ
     tied = {t.target: t.to for t in rules.ties if config.get(t.when)}
     targets = []
     for rule in rules.params:
-        if rule.when is not None and not config.get(rule.when):
+        if rule.when is not None and not flag_holds(rule.when, config):
             continue  # e.g. Cohere's q/k norms exist only with use_qk_norm
         exists = _in_sets(rule, rules, config, ranges)
         for values, name in expand_all(rule.target, ranges):
