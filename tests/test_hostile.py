@@ -20,12 +20,7 @@ JOBS_AT_ONCE = int(os.environ.get("HOSTILE_JOBS", "6"))  # torchrun mostly waits
 # Issue 17's open cases, by the outcome they get today: emptied as the fixes land. These four are refused
 # by the cut (plan/layouts), whose message names rule dims, not config.json keys; the full-shape check
 # (plan/expected_shapes.py) names the keys, and does so once it runs before the cuts in plan/build.py.
-KNOWN_FAILING = {
-    "config-hidden-512": "misnamed",
-    "config-heads-16": "misnamed",
-    "config-intermediate-1024": "misnamed",
-    "config-heads-negative": "misnamed",
-}
+KNOWN_FAILING: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
