@@ -17,9 +17,7 @@ pytestmark = pytest.mark.hostile
 
 JOBS_AT_ONCE = int(os.environ.get("HOSTILE_JOBS", "6"))  # torchrun mostly waits; CPU bounds the rest
 
-# Issue 17's open cases, by the outcome they get today: emptied as the fixes land. These four are refused
-# by the cut (plan/layouts), whose message names rule dims, not config.json keys; the full-shape check
-# (plan/expected_shapes.py) names the keys, and does so once it runs before the cuts in plan/build.py.
+# Cases distload does not handle yet, by the outcome they get today (strict xfails): none open now.
 KNOWN_FAILING: dict[str, str] = {}
 
 
