@@ -10,7 +10,7 @@ checkpoint's config.json by small expressions, so a new dense architecture is a 
     head_dim = "head_dim|hidden_size/num_attention_heads"
     [loops]           # template variables and the dim giving their range
     layer = "layers"
-    drop = ["model.layers.{layer}.self_attn.rotary_emb.inv_freq"]
+    drop = ["model.layers.{layer}.self_attn.rotary_emb.inv_freq"]   # or "mtp.*": every name under a prefix
     [[tie]]           # target aliased to another when a config flag is true
     target = "lm_head.weight"
     to = "model.embed_tokens.weight"

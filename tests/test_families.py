@@ -196,3 +196,23 @@ def test_a_packed_wqkv_cut_as_plain_qkv_plans_but_differs_from_the_oracle(checkp
         plan = build_plan(entries, config, rules, Layout(world=2, tp=2))
         got = materialise_from_deliveries(plan, 1, values)[name]
         assert torch.equal(got, serving_shards(values, config, 1, 2)[name]) == equal
+
+
+def test_qwen3_next_reads_nothing_of_its_mtp_head(checkpoints, tmp_path):
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = tmp_path / "mtp"
+    shutil.copytree(checkpoints["qwen3_next"], out)
+    extra = {"mtp.fc.weight": torch.ones(64, 128), "mtp.norm.weight": torch.ones(64),
+             "mtp.layers.0.self_attn.q_proj.weight": torch.ones(128, 64)}
+    save_file(extra, out / "model-mtp.safetensors")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    found = discover(str(out))
+    plan = build_plan(dict(found.tensors), dict(found.config), rules_for(found.config), Layout(world=2, tp=2))
+    assert plan.unexpected == () and set(extra) <= set(plan.ignored) and not set(extra) & set(plan.sources)

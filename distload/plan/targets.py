@@ -72,6 +72,14 @@ def expand_targets(rules: FamilyRules, config: dict, tensors) -> tuple[list[Targ
     return targets, tied
 
 
+def dropped_by(template: str, name: str) -> bool:
+    """A `drop` entry takes the name it spells (with loop variables), or with a trailing `.*` every name under
+    that prefix (Qwen3-Next's `mtp.*` speculative-decoding head, not part of the serving model)."""
+    if template.endswith(".*"):
+        return name.startswith(template[:-1])
+    return names.match(template, name) is not None
+
+
 @dataclass(frozen=True)
 class Match:
     """The checkpoint against the targets: what is planned and what is not, each name list sorted."""
@@ -97,7 +105,7 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
         for rule in rules.params:
             if rule.target == alias:
                 tied_sources.update(p for form in rule.forms for p in form.parts)
-    dropped = {n for n in tensors if any(names.match(t, n) is not None for t in rules.drop)}
+    dropped = {n for n in tensors if any(dropped_by(t, n) for t in rules.drop)}
     dropped |= loop_sets.past_loops(rules.drop_past, tensors, loop_ranges(rules, config))
     ignored = sorted(dropped | (tied_sources & set(tensors)))
     missing_by_target = {t.name: [s for s in t.sources if s not in tensors] for t in targets}
