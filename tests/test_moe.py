@@ -259,7 +259,9 @@ def test_plan_refuses_a_stacked_tensor_that_disagrees_with_config(moe):
         tensors[name] = dataclasses.replace(tensors[name], shape=shape, nbytes=math.prod(shape) * 4)
         with pytest.raises(PlanError, match=re.escape(name)) as exc:
             build_plan(tensors, index.config, rules, Layout(world=2, tp=2, ep=2))
-        assert ("= [32, 32] does not add up to 48 rows per expert" in str(exc.value)) if what == "rows" else ("dim 0 = num experts = 4" in str(exc.value))
+        want = ("has 48 in dim 1 but config.json says 2 * moe_inter = 64", "moe_intermediate_size=32", "found [4, 48, 64]") \
+            if what == "rows" else ("has 3 rows but config.json says experts = 4", "num_local_experts=4", "found [3, 64, 64]")
+        assert all(w in str(exc.value) for w in want), str(exc.value)
 
 
 def test_rules_extensions_are_validated(tmp_path):
