@@ -725,3 +725,20 @@ def test_metadata_checkpoints_are_what_transformers_saves(ckpt, dense_checkpoint
     assert rules_for(index.config).name == rules.name
     assert {d: rules.dim(config, d) for d in rules.dims} == {d: rules.dim(index.config, d) for d in rules.dims}
     assert bool(config["tie_word_embeddings"]) == bool(index.config.get("tie_word_embeddings"))
+
+
+def test_plan_digest_is_of_the_inputs(ckpt):
+    """Ranks agree on a plan by the digest of its inputs: equal for equal inputs, different when any differs."""
+    from distload.transfer.agreement import plan_digest
+
+    entries, config, rules, _ = ckpt("llama")
+    layout = Layout(world=4, tp=2)
+    a, b = build_plan(entries, config, rules, layout), build_plan(dict(entries), dict(config), rules, layout)
+    assert a.digest and a.digest == b.digest and plan_digest(a) == plan_digest(b)
+    others = [build_plan(entries, config, rules, Layout(world=4, tp=4)),
+              build_plan(entries, config, rules, layout, staging_bytes=1 << 20),
+              build_plan(entries, {**config, "rms_norm_eps": 1e-3}, rules, layout)]
+    first = next(iter(entries))
+    moved = {**entries, first: replace(entries[first], offset=entries[first].offset + 2)}
+    others.append(build_plan(moved, config, rules, layout, strict=False))
+    assert len({a.digest} | {o.digest for o in others}) == 1 + len(others)

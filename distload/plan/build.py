@@ -11,6 +11,7 @@ from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
 from . import expected_shapes, quant, quant_layouts, quant_steps
+from .digest import inputs_digest
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_hosts
 from .layouts import Planned, layouts_for_target, relayout
@@ -65,7 +66,9 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     return LoadPlan(family=rules.name, layout=layout, specs=tuple(final), sources={s.name: s for s in sources},
                     buckets=buckets, missing=tuple(match.missing), unexpected=tuple(match.unexpected),
                     ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes),
-                    staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization)
+                    staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization,
+                    digest=inputs_digest(tensors, config, rules, layout, strict=strict, staging_bytes=staging_bytes,
+                                         quantize=quantize, dequantize=dequantize))
 
 
 def _per_rank(planned: dict[str, Planned], world: int) -> tuple[list[dict[str, ParamSpec]], dict[str, list[Delivery]]]:

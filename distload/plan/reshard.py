@@ -31,6 +31,7 @@ from ..errors import CheckpointError, PlanError
 from ..topology import Layout
 from .buckets import buckets_for, interleaved
 from .build import build_plan
+from .digest import inputs_digest
 from .shard import Piece, view2d
 from .types import Bucket, Delivery, LoadPlan, ParamSpec, Source, is_broadcast
 
@@ -101,12 +102,13 @@ def same_topology_plan(manifest: dict, layout: Layout, staging_bytes: int) -> Lo
     return _plan(manifest, layout, specs, sources, reader_of, staging_bytes)
 
 
-def _plan(manifest, layout: Layout, specs, sources, reader_of, staging_bytes) -> LoadPlan:
+def _plan(manifest, layout: Layout, specs, sources, reader_of, staging_bytes, rules=None) -> LoadPlan:
     buckets = _bucketed(sources, reader_of, layout.world, staging_bytes)
     readers = tuple(sorted(set(reader_of.values()))) or (0,)
     return LoadPlan(family=manifest["config_name"], layout=replace(layout, readers=readers, owner_reads=False), specs=specs,
                     sources={s.name: s for s in sources}, buckets=buckets,
-                    checkpoint_bytes=sum(s.nbytes for s in sources))
+                    checkpoint_bytes=sum(s.nbytes for s in sources),
+                    digest=inputs_digest({}, manifest, rules, layout, staging_bytes=staging_bytes))
 
 
 def _checkpoint_index(manifest: dict) -> dict[str, TensorEntry]:
@@ -194,4 +196,4 @@ def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int) -> L
                      tuple(ds), is_broadcast(ds, shape, layout.world))
         sources.append(src)
         reader_of[src.name] = old_rank % layout.world
-    return _plan(manifest, layout, new.specs, sources, reader_of, staging_bytes)
+    return _plan(manifest, layout, new.specs, sources, reader_of, staging_bytes, rules)

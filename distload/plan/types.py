@@ -127,6 +127,7 @@ class LoadPlan:
     staging: tuple[dict[str, ParamSpec], ...] = ()
     post: tuple[tuple, ...] = ()                 # per rank, quant_steps.Step s run after their inputs arrive
     quantization: str | None = None              # e.g. 'fp8-block 128x128 (config.json ...)'; None: none
+    digest: str = field(default="", compare=False)  # of the plan's inputs (digest.py): what ranks agree on
 
     def owned_bytes(self, rank: int) -> int:
         """Checkpoint bytes of the pieces delivered to `rank` (what it reads itself with owner reads)."""
