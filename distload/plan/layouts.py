@@ -1,6 +1,7 @@
 """Per-target layouts: for every rank, the spec of the param it holds and the pieces that fill it.
 
-A dense target is cut over the TP group by its style (shard.py). An expert target is
+A dense target is cut over the TP group by its style (shard.py), once per TP rank: its data-parallel
+replicas hold the same (ranks.RankValues). An expert target is
 [local experts, *inner local shape]: each hosted expert (experts.py) is cut by its inner style over the
 ranks of one expert group and stacked in ascending global id.
 """
@@ -13,6 +14,7 @@ from ..topology import Layout
 from .experts import expert_hosts
 from .parts import check_vocab, logical_parts
 from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
+from .ranks import RankValues
 from .types import ParamSpec, Target
 
 
@@ -36,7 +38,7 @@ def effective_style(style: str, ndim: int) -> str:
     return "replicate" if style == "row" and ndim < 2 else style
 
 
-Planned = tuple[list[ParamSpec], list[LocalLayout]]   # per rank: the param's spec and its layout
+Planned = tuple[RankValues, RankValues]   # per rank (stored per group of replicas): the param's spec and its layout
 
 
 def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, hosts) -> Planned:
@@ -51,6 +53,8 @@ def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, 
 
 
 def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, sizes: dict) -> Planned:
+    """Cut once per TP rank: ranks tp apart (data-parallel replicas) hold the same, and when every TP rank
+    holds the same (replicated params) one value serves the whole world."""
     rule = target.rule
     entries = [index[s] for s in target.sources]
     parts = logical_parts(target, list(target.sources), index, rules, config)
@@ -62,13 +66,14 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
     if style == "qkv" and len(entries) == 1:
         global_shape = shape0
     specs, lays = [], []
-    for r in range(layout.world):
-        lay = cut(style, parts, layout.tp, layout.tp_rank(r), f"{target.name} (rule {rule.style})",
-                  pad_to=rule.pad_to, **sizes)
+    for t in range(layout.tp):
+        lay = cut(style, parts, layout.tp, t, f"{target.name} (rule {rule.style})", pad_to=rule.pad_to, **sizes)
         lays.append(lay)
         specs.append(ParamSpec(target.name, rule.style, entries[0].dtype, tuple(global_shape),
                                local_shape(style, tuple(global_shape), lay), lay.padding))
-    return specs, lays
+    if all(lay == lays[0] for lay in lays) and all(spec == specs[0] for spec in specs):
+        specs, lays = specs[:1], lays[:1]
+    return RankValues(specs, layout.world), RankValues(lays, layout.world)
 
 
 def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_experts: int, where: str):
@@ -93,9 +98,21 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
     return per_expert_parts, one_expert
 
 
+def _rebased(lay: LocalLayout, parts0, parts_e, slot: int) -> list[Piece]:
+    """Expert 0's pieces `lay` moved onto expert e's parts (same sizes), stacked at local `slot`."""
+    out = []
+    for p in lay.pieces:
+        j = next(j for j, q in enumerate(parts0) if q.source == p.source and q.row0 <= p.rows[0] < q.row0 + q.rows)
+        shift = parts_e[j].row0 - parts0[j].row0
+        out.append(Piece(parts_e[j].source, (p.rows[0] + shift, p.rows[1] + shift), p.cols,
+                         p.dst_row + slot * lay.rows, p.dst_col))
+    return out
+
+
 def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, hosts,
                     sizes: dict) -> Planned:
-    """Expert params: [local experts, *inner local shape], slots in ascending global id."""
+    """Expert params: [local experts, *inner local shape], slots in ascending global id. Every expert has
+    one shape (checked), so each rank of an expert group is cut once and the cut moved onto each expert."""
     rule = target.rule
     num_experts = rules.dim(config, "experts")
     g = layout.expert_group_size
@@ -104,20 +121,20 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     inner = effective_style(rule.inner, len(one_expert))
     global_shape = (num_experts,) + tuple(one_expert)
     dtype = index[target.sources[0]].dtype
-    specs, lays = [], []
+    parts0 = per_expert_parts[0]
+    # Cut expert 0 for every rank of the group, so that a rank hosting no expert (EPLB) still gets its shape.
+    cuts = [cut(inner, parts0, g, t, f"{where} expert 0", label="tp-in-expert-group", **sizes) for t in range(g)]
+    lays = []
     for r in range(layout.world):
-        t = layout.rank_in_expert_group(r)
-        # Cut expert 0 too, so that a rank hosting no expert (EPLB) still gets its inner shape.
-        lay = cut(inner, per_expert_parts[0], g, t, f"{where} expert 0", label="tp-in-expert-group", **sizes)
-        pieces, rows, cols, padding = [], lay.rows, lay.cols, ()
-        for slot, e in enumerate(hosts[r]):
-            lay = cut(inner, per_expert_parts[e], g, t, f"{where} expert {e}", label="tp-in-expert-group", **sizes)
-            pieces += [Piece(p.source, p.rows, p.cols, p.dst_row + slot * lay.rows, p.dst_col) for p in lay.pieces]
-        inner_local = local_shape(inner, tuple(one_expert), LocalLayout(rows, cols, ()))
-        lays.append(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding))
-        specs.append(ParamSpec(target.name, "expert", dtype, global_shape, (len(hosts[r]),) + inner_local, (), None,
-                               hosts[r]))
-    return specs, lays
+        lay = cuts[layout.rank_in_expert_group(r)]
+        pieces = [p for slot, e in enumerate(hosts[r]) for p in _rebased(lay, parts0, per_expert_parts[e], slot)]
+        lays.append(LocalLayout(len(hosts[r]) * lay.rows, lay.cols, tuple(pieces), ()))
+
+    def spec(r: int) -> ParamSpec:
+        lay = cuts[layout.rank_in_expert_group(r)]
+        inner_local = local_shape(inner, tuple(one_expert), LocalLayout(lay.rows, lay.cols, ()))
+        return ParamSpec(target.name, "expert", dtype, global_shape, (len(hosts[r]),) + inner_local, (), None, hosts[r])
+    return RankValues((), layout.world, make=spec, period=layout.world), RankValues(lays, layout.world)
 
 
 def relayout(target: Target, index, rules: FamilyRules, config: dict, q: int) -> Planned:
