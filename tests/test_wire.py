@@ -117,7 +117,7 @@ def test_every_send_has_its_receive_and_every_rank_its_broadcast(plans, layout_n
                     assert r in op.group and op.peer in op.group
                     fanouts.setdefault(op.group, {})[r] = (op.peer, op.nbytes, [(i.param, i.piece) for i, _ in op.packed])
         for group, by_rank in fanouts.items():
-            assert sorted(by_rank) == list(group) and len(set(map(repr, by_rank.values()))) == 1, (bucket.index, group)
+            assert sorted(by_rank) == list(group.members()) and len(set(map(repr, by_rank.values()))) == 1, (bucket.index, group)
         for s in range(world):
             for d in range(world):
                 sent = [signature(op) for op in ops[s] if op.kind == SEND and op.peer == d]

@@ -71,6 +71,11 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) 
     return out
 
 
+def _group_key(group_bytes) -> tuple[int, int, int]:
+    g = group_bytes[0]
+    return g.first, g.step, g.count
+
+
 def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tuple[Bucket, ...]:
     """Number the readers' buckets, taking one from each reader in turn, so that every reader has work in
     flight at the same time."""
@@ -79,5 +84,5 @@ def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tupl
         for reader, b in zip(readers, group):
             if b is not None:
                 bcast, chunks, read, groups = b
-                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, tuple(sorted(groups)), world))
+                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, tuple(sorted(groups, key=_group_key)), world))
     return tuple(buckets)

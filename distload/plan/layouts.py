@@ -98,14 +98,19 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
     return per_expert_parts, one_expert
 
 
-def _rebased(lay: LocalLayout, parts0, parts_e, slot: int) -> list[Piece]:
-    """Expert 0's pieces `lay` moved onto expert e's parts (same sizes), stacked at local `slot`."""
+def _part_index(lay: LocalLayout, parts0) -> list[tuple[int, Piece]]:
+    """Each of expert 0's pieces with the index of the part it was cut from."""
+    return [(next(j for j, q in enumerate(parts0) if q.source == p.source and q.row0 <= p.rows[0] < q.row0 + q.rows), p)
+            for p in lay.pieces]
+
+
+def _rebased(indexed: list[tuple[int, Piece]], rows: int, parts0, parts_e, slot: int) -> list[Piece]:
+    """Expert 0's pieces (with their part index) moved onto expert e's parts (same sizes), at local `slot`."""
     out = []
-    for p in lay.pieces:
-        j = next(j for j, q in enumerate(parts0) if q.source == p.source and q.row0 <= p.rows[0] < q.row0 + q.rows)
+    for j, p in indexed:
         shift = parts_e[j].row0 - parts0[j].row0
-        out.append(Piece(parts_e[j].source, (p.rows[0] + shift, p.rows[1] + shift), p.cols,
-                         p.dst_row + slot * lay.rows, p.dst_col))
+        out.append(Piece(parts_e[j].source, (p.rows[0] + shift, p.rows[1] + shift), p.cols, p.dst_row + slot * rows,
+                         p.dst_col))
     return out
 
 
@@ -124,10 +129,13 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     parts0 = per_expert_parts[0]
     # Cut expert 0 for every rank of the group, so that a rank hosting no expert (EPLB) still gets its shape.
     cuts = [cut(inner, parts0, g, t, f"{where} expert 0", label="tp-in-expert-group", **sizes) for t in range(g)]
+    indexed = [_part_index(lay, parts0) for lay in cuts]
     lays = []
     for r in range(layout.world):
-        lay = cuts[layout.rank_in_expert_group(r)]
-        pieces = [p for slot, e in enumerate(hosts[r]) for p in _rebased(lay, parts0, per_expert_parts[e], slot)]
+        t = layout.rank_in_expert_group(r)
+        lay = cuts[t]
+        pieces = [p for slot, e in enumerate(hosts[r])
+                  for p in _rebased(indexed[t], lay.rows, parts0, per_expert_parts[e], slot)]
         lays.append(LocalLayout(len(hosts[r]) * lay.rows, lay.cols, tuple(pieces), ()))
 
     def spec(r: int) -> ParamSpec:

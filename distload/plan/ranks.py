@@ -9,13 +9,14 @@ Planning and the plan therefore cost the same at 8 ranks as at 4096 for the same
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, order=True)
-class Ranks:
-    """The ranks first, first + step, ..., count of them: a group that holds one shard."""
+class Ranks(NamedTuple):
+    """The ranks first, first + step, ..., count of them: a group that holds one shard. (A tuple: planning
+    hashes and compares groups hundreds of thousands of times.)"""
     first: int
     step: int = 1
     count: int = 1
@@ -24,11 +25,8 @@ class Ranks:
         k, off = divmod(rank - self.first, self.step)
         return off == 0 and 0 <= k < self.count
 
-    def __iter__(self):
-        return iter(range(self.first, self.first + self.step * self.count, self.step))
-
-    def __len__(self) -> int:
-        return self.count
+    def members(self) -> range:
+        return range(self.first, self.first + self.step * self.count, self.step)
 
     @property
     def last(self) -> int:
@@ -37,7 +35,9 @@ class Ranks:
     def nearest(self, rank: int) -> int:
         """The member in `rank`'s block of `step` ranks (rank itself when it is a member): where a reader
         delivers the group's bytes, so they leave its node only to fan out to the other replicas."""
-        k = -(-(rank - self.first) // self.step)
+        if rank in self:
+            return rank
+        k = rank // self.step - self.first // self.step   # blocks of `step` ranks, aligned at 0
         return self.first + self.step * min(self.count - 1, max(0, k))
 
     def on_node(self, node: int, local_world: int) -> int:
@@ -51,6 +51,11 @@ class Ranks:
     @staticmethod
     def one(rank: int) -> "Ranks":
         return Ranks(rank, 1, 1)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _group(first: int, step: int, count: int) -> Ranks:
+    return Ranks(first, step, count)  # one object per group: planning names each group many times
 
 
 class RankValues(Sequence):
@@ -72,7 +77,7 @@ class RankValues(Sequence):
 
     def group(self, i: int) -> Ranks:
         """The ranks that hold value i."""
-        return Ranks(i, self.period, self.world // self.period)
+        return _group(i, self.period, self.world // self.period)
 
     def __getitem__(self, rank: int):
         if not -self.world <= rank < self.world:

@@ -1,7 +1,9 @@
 """The plan's value types: what one rank holds, what is read, what travels in which bucket.
 
 Vocabulary: a *source* is a checkpoint tensor; a *param* is a target tensor in the serving layout; a
-*delivery* is one rectangle of a source (2-D view) that one rank copies into one of its params; a
+*share* is one rectangle of a source (2-D view) that every rank of a group (ranks.Ranks: the
+data-parallel replicas of one shard) copies into one of its params, a *delivery* the same seen from one
+member; a
 *chunk* is a row range of a source (the unit of reading, so a huge embedding never needs a staging
 buffer of its own size); a *bucket* is a run of chunks read by one reader and sent as one collective.
 """
@@ -90,7 +92,7 @@ class Source:
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
         """Every member's piece, one Delivery each: O(world), for tools and tests (planning uses shares)."""
-        return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks)
+        return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks.members())
 
 
 def shares_of(deliveries) -> tuple[Share, ...]:
@@ -104,7 +106,7 @@ def is_broadcast(shares, shape: tuple[int, ...], world: int) -> bool:
     whole = all(s.piece.rows == (0, rows) and s.piece.cols == (0, cols) for s in shares)
     if not whole or sum(s.ranks.count for s in shares) != world:
         return False
-    return len({r for s in shares for r in s.ranks}) == world if len(shares) > 1 else True
+    return len({r for s in shares for r in s.ranks.members()}) == world if len(shares) > 1 else True
 
 
 @dataclass(frozen=True)

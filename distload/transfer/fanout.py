@@ -22,7 +22,7 @@ def make_groups(plan: LoadPlan) -> dict:
     the same order (new_group is collective over the world)."""
     if plan.layout.world == 1 or not dist.is_initialized():
         return {}
-    return {g: dist.new_group(ranks=list(g)) for g in fanout_groups(plan)}
+    return {g: dist.new_group(ranks=list(g.members())) for g in fanout_groups(plan)}
 
 
 def close_groups(groups: dict) -> None:
