@@ -87,16 +87,6 @@ class RankValues(Sequence):
     def __len__(self) -> int:
         return self.world
 
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, Sequence) or len(other) != self.world:
-            return NotImplemented
-        return all(dict(self[r]) == dict(other[r]) for r in range(self.world))
-
-    __hash__ = None
-
-    def __repr__(self) -> str:  # every rank's specs: O(world), for tests and debugging only
-        return f"RankSpecs({[dict(self[r]) for r in range(self.world)]!r})"
-
     def map(self, fn) -> "RankValues":
         """fn applied to each value (lazily), same groups."""
         return RankValues((), self.world, make=lambda i: fn(self.value(i)), period=self.period)
