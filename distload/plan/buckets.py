@@ -14,7 +14,7 @@ import itertools
 
 from ..dtypes import itemsize
 from .spans import Span
-from .types import Bucket, Chunk, clip
+from .types import Bucket, Chunk
 
 # One bucket's staging slot (a rank holds a few: see transfer/). Larger buckets mean fewer messages and
 # more peak memory per rank; BENCHMARKS.md gives the measured trade-off.
@@ -47,22 +47,25 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) 
         per_row = max(s.row_bytes, _sent_per_row(s), 1)
         per_chunk = max(1, staging_bytes // per_row)
         isz = itemsize(s.dtype)
+        # Per share: its rows, its bytes per row, its group, whether it leaves the reader (plain numbers:
+        # this loop runs once per chunk and share of the whole checkpoint).
+        takers = [] if s.broadcast else [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz,
+                                          d.ranks, d.ranks.nearest(reader) != reader) for d in s.shares]
         for a in range(first, max(end, first + 1), per_chunk):
-            chunk = Chunk(s.name, (a, min(a + per_chunk, end)))
-            read = (chunk.rows[1] - chunk.rows[0]) * s.row_bytes
+            b = min(a + per_chunk, end)
+            read = (b - a) * s.row_bytes
             groups: dict = {}
             send = 0
-            if not s.broadcast:
-                for d in s.shares:
-                    piece = clip(d.piece, chunk.rows)
-                    if piece is not None:
-                        groups[d.ranks] = groups.get(d.ranks, 0) + piece.numel * isz
-                        send += piece.numel * isz if d.ranks.nearest(reader) != reader else 0
+            for r0, r1, width, ranks, away in takers:
+                lo, hi = max(r0, a), min(r1, b)
+                if lo < hi:
+                    groups[ranks] = groups.get(ranks, 0) + (hi - lo) * width
+                    send += (hi - lo) * width if away else 0
             if cur and (cur_bcast != s.broadcast or cur_read + read > staging_bytes
                         or (not s.broadcast and cur_send + send > staging_bytes)):
                 flush()
             cur_bcast = s.broadcast
-            cur.append(chunk)
+            cur.append(Chunk(s.name, (a, b)))
             cur_read += read
             cur_send += send
             for g, n in groups.items():
