@@ -8,9 +8,16 @@ rank, never the size of the plan (which would grow with the job).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 
-from .. import __version__
+
+def _version() -> str:
+    """The installed distload's version (ranks running different versions plan differently)."""
+    try:
+        return importlib.metadata.version("distload")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree: the plan's code is the tree's
+        return "source"
 
 
 def _entries(tensors: dict) -> str:
@@ -21,7 +28,7 @@ def _entries(tensors: dict) -> str:
 def inputs_digest(tensors: dict, config: dict, rules, layout, **options) -> str:
     """Hex digest of a plan's inputs: equal on two ranks iff they plan the same load (same code version)."""
     h = hashlib.sha256()
-    for part in (__version__, _entries(tensors), json.dumps(config, sort_keys=True, default=str), repr(rules),
+    for part in (_version(), _entries(tensors), json.dumps(config, sort_keys=True, default=str), repr(rules),
                  repr(layout), repr(sorted(options.items()))):
         h.update(part.encode())
         h.update(b"\0")
