@@ -105,7 +105,8 @@ def cmd_inspect(args) -> int:
     from .inspect_cmd import describe_plan, inspect_load
 
     inspection = inspect_load(args.path, load_options(args), world=args.world, local_world=args.local_world)
-    print(describe_plan(inspection.plan, inspection.route))
+    print(describe_plan(inspection.plan, inspection.route, rank=args.rank, per_rank=args.per_rank or None,
+                        inspection=inspection))
     return 0
 
 
@@ -158,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load_options(p)
     p.add_argument("--world", type=int, default=None, help="world size (default: tp)")
     p.add_argument("--local-world", type=int, default=None, help="ranks per node (default: all on one node)")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose planning, messages and bytes are shown")
+    p.add_argument("--per-rank", action="store_true", help="the per-rank table at any world (default: up to 16)")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("demo", help="make a small checkpoint and load it (run under torchrun)")
     p.add_argument("path", nargs="?", default=None, help="where to write the demo checkpoint (default: a temp dir)")

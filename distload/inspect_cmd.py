@@ -1,20 +1,41 @@
-"""`distload inspect`: the plan without a process group — what each rank will hold, and bytes moved."""
+"""`distload inspect`: the plan without a process group — what a rank will hold and move, and the job's totals.
+
+It plans exactly as one rank of the job would (the plan is the same on every rank: one rank's cost is the
+job's planning cost per rank), timing the planning and its peak memory. The per-rank table is printed for
+small worlds (or on request): a line per rank costs a pass over the buckets each.
+"""
 
 from __future__ import annotations
 
+import resource
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from .errors import DistloadError
 from .loader import decide_route, source_for
 from .options import LoadOptions
 from .plan import LoadPlan
+from .plan.wire import BROADCAST, FANOUT, SEND, p2p_receivers, wire_ops
 from .topology import layout_for
 from .transfer.route import Route
+
+PER_RANK_TABLE_UPTO = 16   # worlds up to this many ranks get the per-rank table by default
 
 
 @dataclass(frozen=True)
 class Inspection:
     plan: LoadPlan
     route: Route
+    plan_seconds: float = 0.0       # CPU seconds of planning (what every rank spends)
+    plan_peak_bytes: int = 0        # growth of this process's peak RSS while planning
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def inspect_load(path: str, options: LoadOptions, world: int | None = None,
@@ -25,16 +46,72 @@ def inspect_load(path: str, options: LoadOptions, world: int | None = None,
     layout = layout_for(world, local_world or world, options)
     source = source_for(path, options)
     found = source.discover()
+    rss0, cpu0 = _rss_bytes(), time.process_time()
     plan = source.plan(found, layout)
+    seconds = time.process_time() - cpu0
+    peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
     route, _ = decide_route(source, found, plan, options.device or "cpu", 0, options)
-    return Inspection(plan, route)
+    return Inspection(plan, route, seconds, peak)
 
 
-def describe_plan(plan: LoadPlan, route: Route) -> str:
-    """The route with its reason, then a human table: per rank, params held, bytes kept, bytes read, bytes received, experts hosted (global ids,
+def rank_traffic(plan: LoadPlan, rank: int) -> dict:
+    """What `rank` posts during the bucketed transfer (shared memory off): its ops by kind, and its bytes."""
+    counts = {"sends": 0, "receives": 0, "broadcasts": 0, "fanouts": 0}
+    sent = received = read = 0
+    for b in plan.buckets:
+        read += b.read_bytes if b.reader == rank else 0
+        for op in wire_ops(plan, b, rank, False):
+            if op.kind == BROADCAST:
+                counts["broadcasts"] += 1
+                received += op.nbytes if rank != b.reader else 0
+            elif op.kind == FANOUT:
+                counts["fanouts"] += 1
+                sent += op.nbytes * (op.group.count - 1) if op.peer == rank else 0
+                received += op.nbytes if op.peer != rank else 0
+            elif op.kind == SEND:
+                counts["sends"] += 1
+                sent += op.nbytes
+            else:
+                counts["receives"] += 1
+                received += op.nbytes
+    return {**counts, "messages": sum(counts.values()), "bytes_read": read, "bytes_sent": sent,
+            "bytes_received": received}
+
+
+def job_totals(plan: LoadPlan) -> dict:
+    """The job's messages and bytes, from the buckets alone (no pass over ranks): point-to-point messages
+    (one per leader and bucket, shared memory off), broadcasts, fan-outs, and bytes crossing nodes."""
+    layout = plan.layout
+    node, lw = layout.node, layout.local_world if not layout.one_node else 0
+    p2p = broadcasts = fanouts = crossing = 0
+    for b in plan.buckets:
+        if b.broadcast:
+            broadcasts += 1 if layout.world > 1 else 0
+            crossing += b.read_bytes * (layout.world - (lw or layout.world)) if lw else 0
+            continue
+        p2p += len(p2p_receivers(b))
+        for g, n in b.groups:
+            leader = g.nearest(b.reader)
+            if lw and node(leader) != node(b.reader):
+                crossing += n
+            if g.count > 1 and n:
+                fanouts += 1
+                crossing += n * (g.count - g.on_node(node(leader), lw)) if lw else 0
+    return {"buckets": len(plan.buckets), "p2p_messages": p2p, "broadcasts": broadcasts, "fanouts": fanouts,
+            "bytes_read": plan.checkpoint_bytes, "bytes_crossing_nodes": crossing}
+
+
+def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | None = None,
+                  inspection: Inspection | None = None) -> str:
+    """The route with its reason, the job's totals, what `rank` plans, moves and holds; then (small worlds,
+    or per_rank) a table: per rank, params held, bytes kept, read, received, experts hosted (global ids,
     the same in every MoE layer) and the bytes of expert params among those kept."""
     layout = plan.layout
-    lines = [f"family {plan.family}: world {layout.world}, tp {layout.tp}, ep {layout.ep}, readers {list(layout.readers)}",
+    if not 0 <= rank < layout.world:
+        raise DistloadError(f"--rank {rank}: the world has ranks 0..{layout.world - 1}")
+    totals = job_totals(plan)
+    lines = [f"family {plan.family}: world {layout.world}, tp {layout.tp}, ep {layout.ep}, "
+             + (f"readers {list(layout.readers)}" if len(layout.readers) <= 16 else f"{len(layout.readers)} readers"),
              f"checkpoint tensors {len(plan.sources)}, bytes {plan.checkpoint_bytes:,}, buckets {len(plan.buckets)}"]
     if plan.ignored:
         lines.append(f"ignored by rule: {len(plan.ignored)} tensor(s)")
@@ -42,26 +119,43 @@ def describe_plan(plan: LoadPlan, route: Route) -> str:
         lines.append(f"quantization: {plan.quantization}; 'keeps bytes' are the params after post-load steps")
     lines.append(route.describe())
     if not layout.one_node:
-        crossing = sum(plan.bytes_from_other_nodes(r) for r in range(layout.world))
+        crossing = totals["bytes_crossing_nodes"]
         how = "each node's reader reads the rows its own ranks keep; " if layout.reads_by_node else ""
         lines.append(f"{layout.world // layout.local_world} nodes: {how}{crossing:,} bytes cross between nodes "
                      f"({crossing / max(1, plan.checkpoint_bytes):.0%} of the checkpoint)")
-    header = (f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "
-              f"{'expert bytes':>15}  experts")
-    lines.append(header)
-    for r in range(layout.world):
+    lines.append(f"job: {totals['p2p_messages']:,} point-to-point messages, {totals['broadcasts']:,} broadcasts, "
+                 f"{totals['fanouts']:,} fan-outs to replicas, {totals['bytes_read']:,} bytes read from storage")
+    mine = rank_traffic(plan, rank)
+    cost = (f"planned in {inspection.plan_seconds:.2f} CPU s, peak +{inspection.plan_peak_bytes / 2**20:.0f} MiB; "
+            if inspection is not None else "")
+    lines.append(f"rank {rank}: {cost}{mine['messages']:,} messages ({mine['sends']:,} sends, {mine['receives']:,} "
+                 f"receives, {mine['broadcasts']:,} broadcasts, {mine['fanouts']:,} fan-outs); reads "
+                 f"{mine['bytes_read']:,} B, sends {mine['bytes_sent']:,} B, receives {mine['bytes_received']:,} B, "
+                 f"keeps {_kept(plan, rank):,} B")
+    if per_rank if per_rank is not None else layout.world <= PER_RANK_TABLE_UPTO:
+        lines += _per_rank_table(plan, route)
+    return "\n".join(lines)
+
+
+def _kept(plan: LoadPlan, rank: int) -> int:
+    return sum(s.nbytes for s in plan.specs[rank].values() if not s.alias_of)
+
+
+def _per_rank_table(plan: LoadPlan, route: Route) -> list[str]:
+    lines = [f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "
+             f"{'expert bytes':>15}  experts"]
+    for r in range(plan.layout.world):
         specs = plan.specs[r]
-        keeps = sum(s.nbytes for s in specs.values() if not s.alias_of)
         if route.kind == "owner-reads":
             reads, receives = plan.owned_bytes(r), 0
         else:
             reads = sum(b.read_bytes for b in plan.buckets if b.reader == r)
-            receives = sum((b.read_bytes if b.broadcast else b.recv_bytes[r]) for b in plan.buckets if b.reader != r)
+            receives = sum(b.recv_bytes[r] for b in plan.buckets if b.reader != r)
         experts = sorted({e for s in specs.values() for e in s.experts})
         expert_bytes = sum(s.nbytes for s in specs.values() if s.style == "expert")
-        lines.append(f"{r:>4} {len(specs):>7} {keeps:>15,} {reads:>15,} {receives:>15,} {expert_bytes:>15,}  "
+        lines.append(f"{r:>4} {len(specs):>7} {_kept(plan, r):>15,} {reads:>15,} {receives:>15,} {expert_bytes:>15,}  "
                      f"{_ranges(experts) if experts else '-'}")
-    return "\n".join(lines)
+    return lines
 
 
 def _ranges(ids: list[int]) -> str:

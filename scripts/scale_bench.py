@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 from distload import reconcile  # noqa: E402
 from distload.checkpoint import discover  # noqa: E402
 from distload.errors import DistloadError  # noqa: E402
+from distload.inspect_cmd import rank_traffic  # noqa: E402
 from distload.plan import build_plan  # noqa: E402
 from distload.rules import rules_for  # noqa: E402
 from distload.topology import Layout, reader_ranks  # noqa: E402
@@ -205,17 +206,9 @@ def layout_for(model: str, world: int) -> Layout:
                   local_world=local)
 
 
-def rank_messages(plan, rank: int) -> tuple[int, int]:
-    """(point-to-point (bucket, peer) pairs, broadcasts) that `rank` takes part in during the transfer."""
-    pairs = broadcasts = 0
-    for b in plan.buckets:
-        if b.broadcast:
-            broadcasts += 1
-        elif b.reader == rank:
-            pairs += sum(1 for r, n in enumerate(b.recv_bytes) if n and r != rank)
-        elif b.recv_bytes[rank]:
-            pairs += 1
-    return pairs, broadcasts
+def rank_messages(plan, rank: int) -> dict:
+    """What `rank` posts during the transfer (inspect_cmd.rank_traffic: sends, receives, broadcasts, fan-outs)."""
+    return rank_traffic(plan, rank)
 
 
 def detail_record_bytes(plan, rank: int) -> int:
@@ -254,9 +247,10 @@ def measure(model: str, world: int, rank: int, cache: Path) -> dict:
     cpu0 = time.process_time()
     plan_digest(plan)
     cpu_digest = time.process_time() - cpu0
-    pairs, bcasts = rank_messages(plan, rank)
+    traffic = rank_messages(plan, rank)
     return dict(tensors=len(index.tensors), plan_s=cpu_plan, peak_mb=peak / 1e6, buckets=len(plan.buckets),
-                p2p=pairs, bcast=bcasts, record=detail_record_bytes(plan, rank), digest_s=cpu_digest, ep=layout.ep)
+                p2p=traffic["sends"] + traffic["receives"], bcast=traffic["broadcasts"], fanout=traffic["fanouts"],
+                record=detail_record_bytes(plan, rank), digest_s=cpu_digest, ep=layout.ep)
 
 
 def _rss_now() -> int:
@@ -294,8 +288,8 @@ def _child_rss_mb(pid: int) -> float:
     return 0.0
 
 
-COLUMNS = ("model", "world", "tensors", "plan CPU s", "plan peak MB", "buckets", "p2p pairs (rank)",
-           "broadcasts (rank)", "plan_digest CPU s", "detail record B", "reconcile recv/rank B")
+COLUMNS = ("model", "world", "tensors", "plan CPU s", "plan peak MB", "buckets", "p2p messages (rank)",
+           "broadcasts (rank)", "fan-outs (rank)", "plan_digest CPU s", "detail record B", "reconcile recv/rank B")
 
 
 def table_row(model: str, world: int, res) -> str:
@@ -304,7 +298,7 @@ def table_row(model: str, world: int, res) -> str:
     if isinstance(res, str):
         return f"| {model} | {world} | " + " | ".join([res] + [""] * (len(COLUMNS) - 4) + [received]) + " |"
     cells = [res["tensors"], f"{res['plan_s']:.2f}", f"{res['peak_mb']:.0f}", res["buckets"], res["p2p"],
-             res["bcast"], f"{res['digest_s']:.2f}", res["record"], received]
+             res["bcast"], res["fanout"], f"{res['digest_s']:.2f}", res["record"], received]
     return f"| {model} | {world}" + (f" (ep {res['ep']})" if res["ep"] > 1 else "") + " | " + \
         " | ".join(f"{c:,}" if isinstance(c, int) else c for c in cells) + " |"
 

@@ -725,3 +725,45 @@ def test_metadata_checkpoints_are_what_transformers_saves(ckpt, dense_checkpoint
     assert rules_for(index.config).name == rules.name
     assert {d: rules.dim(config, d) for d in rules.dims} == {d: rules.dim(index.config, d) for d in rules.dims}
     assert bool(config["tie_word_embeddings"]) == bool(index.config.get("tie_word_embeddings"))
+
+
+def test_plan_digest_is_of_the_inputs(ckpt):
+    """Ranks agree on a plan by the digest of its inputs: equal for equal inputs, different when any differs."""
+    from distload.transfer.agreement import plan_digest
+
+    entries, config, rules, _ = ckpt("llama")
+    layout = Layout(world=4, tp=2)
+    a, b = build_plan(entries, config, rules, layout), build_plan(dict(entries), dict(config), rules, layout)
+    assert a.digest and a.digest == b.digest and plan_digest(a) == plan_digest(b)
+    others = [build_plan(entries, config, rules, Layout(world=4, tp=4)),
+              build_plan(entries, config, rules, layout, staging_bytes=1 << 20),
+              build_plan(entries, {**config, "rms_norm_eps": 1e-3}, rules, layout)]
+    first = next(iter(entries))
+    moved = {**entries, first: replace(entries[first], offset=entries[first].offset + 2)}
+    others.append(build_plan(moved, config, rules, layout, strict=False))
+    assert len({a.digest} | {o.digest for o in others}) == 1 + len(others)
+
+
+def test_rank_groups_name_their_members_and_the_one_nearest_a_reader():
+    from distload.plan import Ranks, RankValues
+
+    g = Ranks(3, 8, 4)                                   # tp rank 3 of 4 replicas at tp 8
+    assert list(g.members()) == [3, 11, 19, 27] and g.last == 27
+    assert all((r in g) == (r in (3, 11, 19, 27)) for r in range(40))
+    assert [g.nearest(r) for r in (0, 3, 8, 17, 31, 99)] == [3, 3, 11, 19, 27, 27]   # the member in r's block
+    assert [g.on_node(n, 8) for n in range(5)] == [1, 1, 1, 1, 0] and g.on_node(0, 0) == 4
+    assert Ranks(0, 1, 16).nearest(9) == 9 and Ranks.one(5).nearest(9) == 5
+    values = RankValues(["a", "b"], 6)
+    assert list(values) == ["a", "b"] * 3 and values.group(1) == Ranks(1, 2, 3)
+
+
+def test_replicas_plan_like_one_replica(ckpt):
+    """Data-parallel replicas change no rank's shard and no bucket boundary: ranks tp apart hold the same,
+    and the plan at 4 replicas has the buckets of one replica's (each read once, sized by bytes read)."""
+    entries, config, rules, total = ckpt("llama")
+    one = build_plan(entries, config, rules, Layout(world=2, tp=2), staging_bytes=4096)
+    four = build_plan(entries, config, rules, Layout(world=8, tp=2), staging_bytes=4096)
+    assert all(dict(four.specs[r]) == dict(one.specs[r % 2]) for r in range(8))
+    assert [(b.reader, b.chunks, b.read_bytes) for b in four.buckets] == [(b.reader, b.chunks, b.read_bytes)
+                                                                       for b in one.buckets]
+    assert sum(b.read_bytes for b in four.buckets) == total

@@ -76,7 +76,7 @@ def test_a_reader_reads_through_an_adopted_descriptor_without_opening_the_path(t
 
 
 def _source(path, rows: int, cols: int, offset: int = 24) -> Source:
-    return Source(name="w", file=path.name, offset=offset, dtype="BF16", shape=(rows, cols), deliveries=(),
+    return Source(name="w", file=path.name, offset=offset, dtype="BF16", shape=(rows, cols), shares=(),
                   broadcast=False)
 
 

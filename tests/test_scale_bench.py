@@ -28,7 +28,7 @@ def test_quick_run_prints_a_table_of_numbers(tmp_path):
     for row in rows:
         assert len(row) == len(columns), row
         values = {c: float(v.replace(",", "")) for c, v in zip(columns[2:], row[2:])}  # every cell a number
-        assert values["tensors"] == 21 and values["buckets"] >= 1 and values["p2p pairs (rank)"] >= 1, row
+        assert values["tensors"] == 21 and values["buckets"] >= 1 and values["p2p messages (rank)"] >= 1, row
         assert values["detail record B"] > 0 and values["reconcile recv/rank B"] > 0, row
     config = json.loads((tmp_path / "tiny-llama" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]

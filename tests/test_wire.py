@@ -18,8 +18,8 @@ import torch
 from distload.checkpoint import TensorEntry
 from distload.dtypes import itemsize
 from distload.plan import build_plan
-from distload.plan.wire import (BROADCAST, BUCKET_BYTES, DIRECT, PACKED, RECV, SEND, SHM_DONE, SHM_TOKEN,
-                                describe, stand_in_slices, via_shm, wire_ops)
+from distload.plan.wire import (BROADCAST, BUCKET_BYTES, DIRECT, FANOUT, PACKED, RECV, SEND, SHM_DONE, SHM_TOKEN,
+                                describe, from_reader, stand_in_slices, via_shm, wire_ops)
 from distload.rules import rules_for
 from distload.topology import Layout
 from distload.transfer.pieces import message
@@ -106,9 +106,18 @@ def test_every_send_has_its_receive_and_every_rank_its_broadcast(plans, layout_n
         for r, mine in enumerate(ops):
             kinds.update(op.carries for op in mine)
             assert all(op.tag == bucket.index for op in mine)
-            assert all(op.peer != r for op in mine if op.kind != BROADCAST)
-            if r != bucket.reader:  # a receiver talks to the reader only
-                assert all(op.peer == bucket.reader for op in mine)
+            assert all(op.peer != r for op in mine if op.kind not in (BROADCAST, FANOUT))
+            if r != bucket.reader:  # a receiver talks to the reader only (replicas: and to their group's leader)
+                assert all(op.peer == bucket.reader for op in mine if op.kind != FANOUT)
+        # A fan-out is posted alike by every member of its group, its leader (the root) among them.
+        fanouts = {}
+        for r, mine in enumerate(ops):
+            for op in mine:
+                if op.kind == FANOUT:
+                    assert r in op.group and op.peer in op.group
+                    fanouts.setdefault(op.group, {})[r] = (op.peer, op.nbytes, [(i.param, i.piece) for i, _ in op.packed])
+        for group, by_rank in fanouts.items():
+            assert sorted(by_rank) == list(group.members()) and len(set(map(repr, by_rank.values()))) == 1, (bucket.index, group)
         for s in range(world):
             for d in range(world):
                 sent = [signature(op) for op in ops[s] if op.kind == SEND and op.peer == d]
@@ -196,3 +205,38 @@ def test_describe_names_the_peer_of_the_failed_op(plans):
     other = (bucket.reader + 1) % 4
     assert describe(plan, bucket, other, wire_ops(plan, bucket, other, False)) == \
         f"receiving bucket {bucket.index} (message from rank {bucket.reader})"
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "no-shm"])
+@pytest.mark.parametrize("layout", [LAYOUTS["tp2-replicas-two-readers"],
+                                    Layout(world=8, tp=2, readers=(0, 4), local_world=4)], ids=["one-node", "two-nodes"])
+def test_replicas_take_their_items_once_from_the_reader_or_their_leader(layout, shm):
+    """Data-parallel replicas: a rank gets each of its items exactly once, from the reader (it leads the
+    item's group) or from its group's fan-out; the reader sends each group's bytes once."""
+    ents, config = decoder(moe=False)
+    plan = build_plan(ents, config, rules_for(config), layout, staging_bytes=STAGING["tiny"])
+    key = lambda it: (it.chunk, it.param, it.piece)  # noqa: E731
+    fanned = 0
+    for bucket in plan.buckets:
+        if bucket.broadcast:
+            continue
+        for r in range(plan.layout.world):
+            ops = wire_ops(plan, bucket, r, shm)
+            got = []
+            for op in ops:
+                if op.kind == FANOUT:
+                    fanned += 1
+                    if op.peer != r:
+                        got += [it for it, _ in op.packed]
+                elif op.carries == PACKED and op.kind == RECV:
+                    got += [it for it, _ in op.packed]
+                elif op.carries == DIRECT and op.kind == RECV:
+                    got.append(op.item)
+                elif op.carries == SHM_TOKEN and op.kind == RECV:
+                    got += from_reader(plan, bucket, r)
+            if r == bucket.reader:
+                got += [it for it in plan.items(bucket, r)]
+            assert sorted(map(key, got), key=repr) == sorted(map(key, plan.items(bucket, r)), key=repr), (bucket.index, r)
+        sent = sum(op.nbytes for op in wire_ops(plan, bucket, bucket.reader, False) if op.kind == SEND)
+        assert sent <= bucket.read_bytes * plan.layout.tp  # each group once, not once per replica
+    assert fanned

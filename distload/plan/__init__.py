@@ -1,6 +1,8 @@
 """Planning, pure: (checkpoint index, rules, config.json, layout) -> LoadPlan, with no I/O and no process group.
 
-    types.py          the plan's value types (ParamSpec, Source, Bucket, Item, LoadPlan, ...)
+    types.py          the plan's value types (ParamSpec, Source, Share, Bucket, Item, LoadPlan, ...)
+    ranks.py          groups of ranks holding one shard (Ranks), per-rank values stored once per group
+    digest.py         the digest of a plan's inputs, which the ranks agree on
     targets.py        rules expanded into targets, matched against the checkpoint
     experts.py        expert placement: which ranks host which experts
     parts.py          a target's logical parts, sizes checked against config.json
@@ -21,8 +23,10 @@ from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .build import build_plan
 from .experts import expert_hosts
 from .shard import LocalLayout, Part, Piece, view2d
-from .types import Bucket, Chunk, Delivery, Item, LoadPlan, ParamSpec, Source, Target, broadcast_offset, clip
+from .ranks import Ranks, RankSpecs, RankValues
+from .types import (Bucket, Chunk, Delivery, Item, LoadPlan, ParamSpec, Share, Source, Target, broadcast_offset,
+                    clip)
 
 __all__ = ["DEFAULT_STAGING_BYTES", "Bucket", "Chunk", "Delivery", "Item", "LoadPlan", "LocalLayout", "ParamSpec",
-           "Part", "Piece", "Source", "Target", "broadcast_offset", "buckets_for", "build_plan", "clip",
+           "Part", "Piece", "RankSpecs", "RankValues", "Ranks", "Share", "Source", "Target", "broadcast_offset", "buckets_for", "build_plan", "clip",
            "expert_hosts", "interleaved", "view2d"]

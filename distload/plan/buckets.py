@@ -1,8 +1,11 @@
 """Buckets: each reader's spans cut into chunks that fit one staging buffer, grouped into collectives.
 
 A bucket is what one reader reads into one staging slot and sends as one collective: its chunks are
-all broadcast (every rank takes the whole tensor) or all point-to-point, and both the bytes read and
-the bytes sent fit the staging size. Readers' buckets are interleaved so every reader has work in flight.
+all broadcast (every rank takes the whole tensor) or all point-to-point. Buckets are sized by the bytes
+read, and by the bytes the reader sends: each group of ranks holding one shard counts once (its member
+nearest the reader takes the bytes and fans them out to the replicas), so the number of buckets, and a
+bucket's bytes, do not change with the number of replicas. Readers' buckets are interleaved so every
+reader has work in flight.
 """
 
 from __future__ import annotations
@@ -11,58 +14,78 @@ import itertools
 
 from ..dtypes import itemsize
 from .spans import Span
-from .types import Bucket, Chunk, clip
+from .types import Bucket, Chunk
 
 # One bucket's staging slot (a rank holds a few: see transfer/). Larger buckets mean fewer messages and
 # more peak memory per rank; BENCHMARKS.md gives the measured trade-off.
 DEFAULT_STAGING_BYTES = 16 << 20
 
 
+def _sent_per_row(s) -> int:
+    """Bytes per source row its groups take (each group once, whatever its number of replicas): at least what
+    the reader sends of any row, since pieces of one source split its rows evenly."""
+    if s.broadcast:
+        return 0
+    sent = sum(d.piece.numel for d in s.shares) * itemsize(s.dtype)
+    return -(-sent // max(1, s.rows))
+
+
 def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) -> list[tuple]:
-    """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, recv_bytes)."""
+    """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups)."""
     out = []
-    cur, cur_read, cur_send, cur_bcast, cur_recv = [], 0, 0, None, [0] * world
+    cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, {}
 
     def flush():
-        nonlocal cur, cur_read, cur_send, cur_recv
+        nonlocal cur, cur_read, cur_send, cur_groups
         if cur:
-            out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_recv)))
-        cur, cur_read, cur_send, cur_recv = [], 0, 0, [0] * world
+            out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
+        cur, cur_read, cur_send, cur_groups = [], 0, 0, {}
 
     for s, (first, end) in spans:
         # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
         # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
-        sent = 0 if s.broadcast else sum(d.piece.numel for d in s.deliveries) * itemsize(s.dtype)
-        per_row = max(s.row_bytes, -(-sent // max(1, s.rows)), 1)
+        per_row = max(s.row_bytes, _sent_per_row(s), 1)
         per_chunk = max(1, staging_bytes // per_row)
+        isz = itemsize(s.dtype)
+        # Per share: its rows, its bytes per row, its group, whether it leaves the reader (plain numbers:
+        # this loop runs once per chunk and share of the whole checkpoint).
+        takers = [] if s.broadcast else [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz,
+                                          d.ranks, d.ranks.nearest(reader) != reader) for d in s.shares]
         for a in range(first, max(end, first + 1), per_chunk):
-            chunk = Chunk(s.name, (a, min(a + per_chunk, end)))
-            read = (chunk.rows[1] - chunk.rows[0]) * s.row_bytes
-            recv = [0] * world
-            for d in s.deliveries:
-                piece = clip(d.piece, chunk.rows)
-                if piece is not None:
-                    recv[d.rank] += read if s.broadcast else piece.numel * itemsize(s.dtype)
-            send = sum(recv) - recv[reader]
+            b = min(a + per_chunk, end)
+            read = (b - a) * s.row_bytes
+            groups: dict = {}
+            send = 0
+            for r0, r1, width, ranks, away in takers:
+                lo, hi = max(r0, a), min(r1, b)
+                if lo < hi:
+                    groups[ranks] = groups.get(ranks, 0) + (hi - lo) * width
+                    send += (hi - lo) * width if away else 0
             if cur and (cur_bcast != s.broadcast or cur_read + read > staging_bytes
                         or (not s.broadcast and cur_send + send > staging_bytes)):
                 flush()
             cur_bcast = s.broadcast
-            cur.append(chunk)
+            cur.append(Chunk(s.name, (a, b)))
             cur_read += read
             cur_send += send
-            cur_recv = [x + y for x, y in zip(cur_recv, recv)]
+            for g, n in groups.items():
+                cur_groups[g] = cur_groups.get(g, 0) + n
     flush()
     return out
 
 
-def interleaved(per_reader: dict[int, list[tuple]], readers) -> tuple[Bucket, ...]:
+def _group_key(group_bytes) -> tuple[int, int, int]:
+    g = group_bytes[0]
+    return g.first, g.step, g.count
+
+
+def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tuple[Bucket, ...]:
     """Number the readers' buckets, taking one from each reader in turn, so that every reader has work in
     flight at the same time."""
     buckets = []
     for group in itertools.zip_longest(*(per_reader[r] for r in readers)):
         for reader, b in zip(readers, group):
             if b is not None:
-                bcast, chunks, read, recv = b
-                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, recv))
+                bcast, chunks, read, groups = b
+                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, tuple(sorted(groups, key=_group_key)), world))
     return tuple(buckets)

@@ -13,12 +13,14 @@ from ..topology import Layout
 from . import (expected_shapes, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts, quant_steps,
                transpose)
 from .bounds import check_loop_bounds
+from .digest import inputs_digest
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_hosts
 from .layouts import Planned, layouts_for_target, relayout
 from .spans import reader_spans
 from .targets import expand_targets, match_checkpoint
-from .types import Delivery, LoadPlan, ParamSpec, Source, is_broadcast
+from .ranks import RankSpecs, RankValues
+from .types import LoadPlan, ParamSpec, Share, Source, is_broadcast
 
 
 def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
@@ -57,7 +59,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
                                                           lambda q, t=t: relayout(t, tensors, rules, config, q))
     unpacked = quant4_layouts.packed_layouts(planned, logical.packed, by_name, index, packed4, layout.tp,
                                              lambda n, q: relayout(by_name[n], index, rules, config, q))
-    specs, deliveries = _per_rank(planned, layout.world)
+    specs = RankSpecs({name: as_rank_values(sp, layout) for name, (sp, _) in planned.items()}, layout.world)
     _add_aliases(specs, tied)
     if packed4:
         final, post, quantization = quant4_steps.finalize(specs, unpacked, logical.packed, by_name, index, packed4,
@@ -67,48 +69,61 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
                                                          quantize=quantize, dequantize=dequantize)
     specs, post = transpose.stage(specs, post, by_name)   # params stored transposed land, then turn
 
-    sources = _sources(deliveries, index, layout.world)  # index: flat 4-bit tensors as their 2-D views
+    sources = _sources(_shares(planned, layout), index, layout.world)  # index: flat 4-bit tensors as their 2-D views
     runs = reader_spans(sources, layout)
     buckets = interleaved({r: buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers},
-                          layout.readers)
+                          layout.readers, layout.world)
     notes = []
     if match.ignored:
         notes.append(f"ignored by rule: {names.describe(match.ignored)}")
     if quantization:
         notes.append(f"quantization: {quantization}")
-    return LoadPlan(family=rules.name, layout=layout, specs=tuple(final), sources={s.name: s for s in sources},
+    return LoadPlan(family=rules.name, layout=layout, specs=final if isinstance(final, RankSpecs) else tuple(final),
+                    sources={s.name: s for s in sources},
                     buckets=buckets, missing=tuple(match.missing), unexpected=tuple(match.unexpected),
                     ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes),
-                    staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization)
+                    staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization,
+                    digest=inputs_digest(tensors, config, rules, layout, strict=strict, staging_bytes=staging_bytes,
+                                         quantize=quantize, dequantize=dequantize))
 
 
-def _per_rank(planned: dict[str, Planned], world: int) -> tuple[list[dict[str, ParamSpec]], dict[str, list[Delivery]]]:
-    """Per rank its specs, and per checkpoint source the deliveries of its pieces (in planning order)."""
-    specs: list[dict[str, ParamSpec]] = [dict() for _ in range(world)]
-    deliveries: dict[str, list[Delivery]] = {}
-    for name, (t_specs, lays) in planned.items():
-        for r, (spec, lay) in enumerate(zip(t_specs, lays)):
-            specs[r][name] = spec
-            for piece in lay.pieces:
-                deliveries.setdefault(piece.source, []).append(Delivery(r, name, piece))
-    return specs, deliveries
+def as_rank_values(values, layout: Layout) -> RankValues:
+    """Per-rank `values` as RankValues, stored once per group of equal ranks (period 1, tp or the world)."""
+    if isinstance(values, RankValues):
+        return values
+    values = list(values)
+    for period in (1, layout.tp):
+        if all(values[r] == values[r % period] for r in range(len(values))):
+            return RankValues(values[:period], layout.world)
+    return RankValues(values, layout.world)
 
 
-def _add_aliases(specs: list[dict[str, ParamSpec]], tied: dict[str, str]) -> None:
+def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share]]:
+    """Per checkpoint source the shares of its pieces (in planning order): one per group of equal ranks."""
+    shares: dict[str, list[Share]] = {}
+    for name, (_, lays) in planned.items():
+        lays = as_rank_values(lays, layout)
+        for i in range(lays.period):
+            group = lays.group(i)
+            for piece in lays.value(i).pieces:
+                shares.setdefault(piece.source, []).append(Share(group, name, piece))
+    return shares
+
+
+def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:
     """A tied alias is the spec of the param it aliases, marked alias_of: loaded once, never read twice."""
     for alias, to in tied.items():
-        for rank_specs in specs:
-            if to in rank_specs:
-                base = rank_specs[to]
-                rank_specs[alias] = ParamSpec(alias, base.style, base.dtype, base.global_shape, base.local_shape,
-                                              base.padding, alias_of=to)
+        if to in specs.per_param:
+            specs.per_param[alias] = specs.per_param[to].map(
+                lambda base, alias=alias, to=to: ParamSpec(alias, base.style, base.dtype, base.global_shape,
+                                                           base.local_shape, base.padding, alias_of=to))
 
 
-def _sources(deliveries: dict[str, list[Delivery]], tensors: dict, world: int) -> list[Source]:
+def _sources(shares: dict[str, list[Share]], tensors: dict, world: int) -> list[Source]:
     """The sources that anyone receives, in file order (file, then offset)."""
     sources = []
-    for name in sorted(deliveries, key=lambda n: (tensors[n].file, tensors[n].offset)):
+    for name in sorted(shares, key=lambda n: (tensors[n].file, tensors[n].offset)):
         e = tensors[name]
-        ds = tuple(deliveries[name])
-        sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ds, is_broadcast(ds, e.shape, world)))
+        ss = tuple(shares[name])
+        sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ss, is_broadcast(ss, e.shape, world)))
     return sources

@@ -1,6 +1,7 @@
 """Per-target layouts: for every rank, the spec of the param it holds and the pieces that fill it.
 
-A dense target is cut over the TP group by its style (shard.py). An expert target is
+A dense target is cut over the TP group by its style (shard.py), once per TP rank: its data-parallel
+replicas hold the same (ranks.RankValues). An expert target is
 [local experts, *inner local shape]: each hosted expert (experts.py) is cut by its inner style over the
 ranks of one expert group and stacked in ascending global id.
 """
@@ -15,6 +16,7 @@ from .experts import expert_hosts
 from .parts import check_vocab, logical_parts, oriented_shape, vector_experts
 from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
 from .transpose import stored_layout
+from .ranks import RankValues
 from .types import ParamSpec, Target
 
 
@@ -38,7 +40,7 @@ def effective_style(style: str, ndim: int) -> str:
     return "replicate" if style == "row" and ndim < 2 else style
 
 
-Planned = tuple[list[ParamSpec], list[LocalLayout]]   # per rank: the param's spec and its layout
+Planned = tuple[RankValues, RankValues]   # per rank (stored per group of replicas): the param's spec and its layout
 
 
 def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, hosts) -> Planned:
@@ -55,6 +57,8 @@ def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, 
 
 
 def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, sizes: dict) -> Planned:
+    """Cut once per TP rank: ranks tp apart (data-parallel replicas) hold the same, and when every TP rank
+    holds the same (replicated params) one value serves the whole world."""
     rule = target.rule
     entries = [index[s] for s in target.sources]
     parts = logical_parts(target, list(target.sources), index, rules, config)
@@ -66,13 +70,14 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
     if style == "qkv" and len(entries) == 1:
         global_shape = shape0
     specs, lays = [], []
-    for r in range(layout.world):
-        lay = cut(style, parts, layout.tp, layout.tp_rank(r), f"{target.name} (rule {rule.style})",
-                  pad_to=rule.pad_to, **sizes)
+    for t in range(layout.tp):
+        lay = cut(style, parts, layout.tp, t, f"{target.name} (rule {rule.style})", pad_to=rule.pad_to, **sizes)
         lays.append(stored_layout(lay, target, index, lay.rows))
         specs.append(ParamSpec(target.name, rule.style, delivered_dtype(rule, entries[0].dtype), tuple(global_shape),
                                local_shape(style, tuple(global_shape), lay), lay.padding))
-    return specs, lays
+    if all(lay == lays[0] for lay in lays) and all(spec == specs[0] for spec in specs):
+        specs, lays = specs[:1], lays[:1]
+    return RankValues(specs, layout.world), RankValues(lays, layout.world)
 
 
 def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_experts: int, where: str):
@@ -100,7 +105,8 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
 
 def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, hosts,
                     sizes: dict) -> Planned:
-    """Expert params: [local experts, *inner local shape], slots in ascending global id."""
+    """Expert params: [local experts, *inner local shape], slots in ascending global id. Every expert has
+    one shape (checked), so each rank of an expert group is cut once and the cut moved onto each expert."""
     rule = target.rule
     num_experts = rules.dim(config, "experts")
     g = layout.expert_group_size
@@ -126,7 +132,7 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
         specs.append(ParamSpec(target.name, "expert", dtype, global_shape,
                                (len(hosts[r]),) + (inner_local[:1] if vector else inner_local), lays[-1].padding,
                                None, hosts[r]))
-    return specs, lays
+    return RankValues(specs, layout.world), RankValues(lays, layout.world)
 
 
 def relayout(target: Target, index, rules: FamilyRules, config: dict, q: int) -> Planned:

@@ -31,8 +31,9 @@ from ..errors import CheckpointError, PlanError
 from ..topology import Layout
 from .buckets import buckets_for, interleaved
 from .build import build_plan
+from .digest import inputs_digest
 from .shard import Piece, view2d
-from .types import Bucket, Delivery, LoadPlan, ParamSpec, Source, is_broadcast
+from .types import Bucket, Delivery, LoadPlan, ParamSpec, Source, is_broadcast, shares_of
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -78,7 +79,7 @@ def _bucketed(sources: list[Source], reader_of: dict[str, int], world: int, stag
     for r in readers:
         mine = sorted((s for s in sources if reader_of[s.name] == r), key=lambda s: (s.file, s.offset))
         per_reader[r] = buckets_for(r, [(s, (0, s.rows)) for s in mine], world, staging_bytes)
-    return interleaved(per_reader, readers)
+    return interleaved(per_reader, readers, world)
 
 
 def same_topology_plan(manifest: dict, layout: Layout, staging_bytes: int) -> LoadPlan:
@@ -94,19 +95,20 @@ def same_topology_plan(manifest: dict, layout: Layout, staging_bytes: int) -> Lo
             rec = manifest["params"][name]["ranks"][r]
             src = source_name(file, name)
             rows, cols = view2d(spec.local_shape)
-            ds = (Delivery(r, name, Piece(src, (0, rows), (0, cols), 0, 0)),)
+            ds = shares_of((Delivery(r, name, Piece(src, (0, rows), (0, cols), 0, 0)),))
             sources.append(Source(src, file, rec["offset"], spec.dtype, spec.local_shape, ds,
                                   is_broadcast(ds, spec.local_shape, world)))
             reader_of[src] = r
     return _plan(manifest, layout, specs, sources, reader_of, staging_bytes)
 
 
-def _plan(manifest, layout: Layout, specs, sources, reader_of, staging_bytes) -> LoadPlan:
+def _plan(manifest, layout: Layout, specs, sources, reader_of, staging_bytes, rules=None) -> LoadPlan:
     buckets = _bucketed(sources, reader_of, layout.world, staging_bytes)
     readers = tuple(sorted(set(reader_of.values()))) or (0,)
     return LoadPlan(family=manifest["config_name"], layout=replace(layout, readers=readers, owner_reads=False), specs=specs,
                     sources={s.name: s for s in sources}, buckets=buckets,
-                    checkpoint_bytes=sum(s.nbytes for s in sources))
+                    checkpoint_bytes=sum(s.nbytes for s in sources),
+                    digest=inputs_digest({}, manifest, rules, layout, staging_bytes=staging_bytes))
 
 
 def _checkpoint_index(manifest: dict) -> dict[str, TensorEntry]:
@@ -190,8 +192,9 @@ def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int) -> L
         rec = manifest["params"][param]["ranks"][old_rank]
         file = rank_file(old_rank, old_world)
         shape = tuple(rec["local_shape"])
+        shares = shares_of(ds)
         src = Source(source_name(file, param), file, rec["offset"], manifest["params"][param]["dtype"], shape,
-                     tuple(ds), is_broadcast(ds, shape, layout.world))
+                     shares, is_broadcast(shares, shape, layout.world))
         sources.append(src)
         reader_of[src.name] = old_rank % layout.world
-    return _plan(manifest, layout, new.specs, sources, reader_of, staging_bytes)
+    return _plan(manifest, layout, new.specs, sources, reader_of, staging_bytes, rules)

@@ -39,9 +39,15 @@ def byte_runs(spans: list[Span], readers: tuple[int, ...], quotas: list[float]) 
 
 
 def node_segments(src: Source, node_of) -> list[tuple[int, int, frozenset]]:
-    """The source's rows cut where the set of nodes taking them changes: (first row, end row, nodes)."""
-    cuts = sorted({0, src.rows} | {r for d in src.deliveries for r in d.piece.rows if 0 < r < src.rows})
-    starts = sorted((d.piece.rows[0], d.piece.rows[1], node_of(d.rank)) for d in src.deliveries)
+    """The source's rows cut where the set of nodes taking them changes: (first row, end row, nodes). A group
+    of replicas on several nodes counts as its first and last member's nodes (all that matters is whether
+    one node alone takes the rows)."""
+    ends = {node_of(r) for d in src.shares for r in (d.ranks.first, d.ranks.last)}
+    if len(ends) == 1:  # one node takes every row (an expert on its host node, say)
+        return [(0, src.rows, frozenset(ends))]
+    cuts = sorted({0, src.rows} | {r for d in src.shares for r in d.piece.rows if 0 < r < src.rows})
+    starts = sorted((d.piece.rows[0], d.piece.rows[1], n) for d in src.shares
+                    for n in {node_of(d.ranks.first), node_of(d.ranks.last)})
     segments, active, k = [], [], 0
     for a, b in zip(cuts, cuts[1:]):
         while k < len(starts) and starts[k][0] <= a:

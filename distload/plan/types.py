@@ -1,7 +1,9 @@
 """The plan's value types: what one rank holds, what is read, what travels in which bucket.
 
 Vocabulary: a *source* is a checkpoint tensor; a *param* is a target tensor in the serving layout; a
-*delivery* is one rectangle of a source (2-D view) that one rank copies into one of its params; a
+*share* is one rectangle of a source (2-D view) that every rank of a group (ranks.Ranks: the
+data-parallel replicas of one shard) copies into one of its params, a *delivery* the same seen from one
+member; a
 *chunk* is a row range of a source (the unit of reading, so a huge embedding never needs a staging
 buffer of its own size); a *bucket* is a run of chunks read by one reader and sent as one collective.
 """
@@ -10,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..dtypes import itemsize
 from ..rules import ParamRule
 from ..topology import Layout
+from .ranks import Ranks
 from .shard import Piece, view2d
 
 
@@ -46,7 +50,16 @@ class Target:
 
 @dataclass(frozen=True)
 class Delivery:
+    """One rank's piece of a source (a Share seen from one member)."""
     rank: int
+    param: str
+    piece: Piece
+
+
+@dataclass(frozen=True)
+class Share:
+    """One rectangle of a source that every rank of a group copies into one of its params."""
+    ranks: Ranks
     param: str
     piece: Piece
 
@@ -59,11 +72,11 @@ class Source:
     offset: int
     dtype: str
     shape: tuple[int, ...]
-    deliveries: tuple[Delivery, ...]
+    shares: tuple[Share, ...]
     broadcast: bool                              # every rank receives the whole tensor
 
     # Cached: planning asks for these thousands of times per plan; a Source never changes, and cached
-    # values are not fields (equality, hashing, repr and the plan digest ignore them).
+    # values are not fields (equality, hashing and repr ignore them).
     @functools.cached_property
     def rows(self) -> int:
         return view2d(self.shape)[0]
@@ -76,12 +89,24 @@ class Source:
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
 
+    @property
+    def deliveries(self) -> tuple[Delivery, ...]:
+        """Every member's piece, one Delivery each: O(world), for tools and tests (planning uses shares)."""
+        return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks.members())
 
-def is_broadcast(deliveries, shape: tuple[int, ...], world: int) -> bool:
-    """Does every rank of `world` receive the whole tensor (one delivery each)?"""
+
+def shares_of(deliveries) -> tuple[Share, ...]:
+    """Per-rank deliveries as shares of one rank each (plans whose ranks hold no replicas: sharded reloads)."""
+    return tuple(Share(Ranks.one(d.rank), d.param, d.piece) for d in deliveries)
+
+
+def is_broadcast(shares, shape: tuple[int, ...], world: int) -> bool:
+    """Does every rank of `world` receive the whole tensor (each rank in exactly one share)?"""
     rows, cols = view2d(shape)
-    full = {d.rank for d in deliveries if d.piece.rows == (0, rows) and d.piece.cols == (0, cols)}
-    return len(deliveries) == world and full == set(range(world))
+    whole = all(s.piece.rows == (0, rows) and s.piece.cols == (0, cols) for s in shares)
+    if not whole or sum(s.ranks.count for s in shares) != world:
+        return False
+    return len({r for s in shares for r in s.ranks.members()}) == world if len(shares) > 1 else True
 
 
 @dataclass(frozen=True)
@@ -97,7 +122,29 @@ class Bucket:
     broadcast: bool
     chunks: tuple[Chunk, ...]
     read_bytes: int
-    recv_bytes: tuple[int, ...]                  # per rank (the reader's own share is copied locally)
+    groups: tuple[tuple[Ranks, int], ...]        # point to point: each group that takes bytes, and how many
+    world: int
+
+    @property
+    def recv_bytes(self) -> "BucketBytes":
+        """Per rank, the bytes it takes from this bucket (the reader's own share is copied locally)."""
+        return BucketBytes(self)
+
+
+class BucketBytes(Sequence):
+    """A bucket's bytes per rank, looked up in its groups (never a list of world entries)."""
+
+    def __init__(self, bucket: Bucket):
+        self.bucket = bucket
+
+    def __getitem__(self, rank: int) -> int:
+        b = self.bucket
+        if not 0 <= rank < b.world:
+            raise IndexError(rank)
+        return b.read_bytes if b.broadcast else sum(n for g, n in b.groups if rank in g)
+
+    def __len__(self) -> int:
+        return self.bucket.world
 
 
 @dataclass(frozen=True)
@@ -108,13 +155,14 @@ class Item:
     piece: Piece                                 # rows already clipped to the chunk
     offset: int
     nbytes: int
+    ranks: Ranks | None = None                   # the group that holds it (None: a broadcast bucket's)
 
 
 @dataclass(frozen=True)
 class LoadPlan:
     family: str
     layout: Layout
-    specs: tuple[dict[str, ParamSpec], ...]      # per rank
+    specs: Sequence                              # per rank {param: ParamSpec} (ranks.RankSpecs)
     sources: dict[str, Source]
     buckets: tuple[Bucket, ...]
     missing: tuple[str, ...] = ()
@@ -127,24 +175,35 @@ class LoadPlan:
     staging: tuple[dict[str, ParamSpec], ...] = ()
     post: tuple[tuple, ...] = ()                 # per rank, quant_steps.Step s run after their inputs arrive
     quantization: str | None = None              # e.g. 'fp8-block 128x128 (config.json ...)'; None: none
+    digest: str = field(default="", compare=False)  # of the plan's inputs (digest.py): what ranks agree on
 
     def owned_bytes(self, rank: int) -> int:
         """Checkpoint bytes of the pieces delivered to `rank` (what it reads itself with owner reads)."""
-        return sum(d.piece.numel * itemsize(src.dtype) for src in self.sources.values() for d in src.deliveries
-                   if d.rank == rank)
+        return sum(s.piece.numel * itemsize(src.dtype) for src in self.sources.values() for s in src.shares
+                   if rank in s.ranks)
 
     def owned_pieces(self, rank: int) -> list:
         """(source, delivery) of every piece delivered to `rank`, in file order (file, then offset): the order
         in which a rank that copies its own pieces from the files reads them."""
-        mine = [(src, d) for src in self.sources.values() for d in src.deliveries if d.rank == rank]
+        mine = [(src, Delivery(rank, s.param, s.piece)) for src in self.sources.values() for s in src.shares
+                if rank in s.ranks]
         mine.sort(key=lambda sd: (sd[0].file, sd[0].offset + sd[1].piece.rows[0] * sd[0].row_bytes))
         return mine
 
     def bytes_from_other_nodes(self, rank: int) -> int:
-        """Bytes `rank` receives from readers on other nodes: what crosses the network to it."""
-        node = self.layout.node(rank)
-        return sum(b.read_bytes if b.broadcast else b.recv_bytes[rank]
-                   for b in self.buckets if self.layout.node(b.reader) != node)
+        """Bytes `rank` receives from ranks on other nodes (a reader, or its group's leader fanning out to
+        replicas): what crosses the network to it."""
+        node = self.layout.node
+        total = 0
+        for b in self.buckets:
+            if b.broadcast:
+                total += b.read_bytes if node(b.reader) != node(rank) else 0
+                continue
+            for item in self.items(b, rank):
+                leader = item.ranks.nearest(b.reader)
+                sender = b.reader if leader == rank else leader
+                total += item.nbytes if node(sender) != node(rank) else 0
+        return total
 
     def staging_specs(self, rank: int) -> dict[str, ParamSpec]:
         """What the transfer writes on `rank` (the final specs unless a post-load step rewrites params)."""
@@ -155,8 +214,8 @@ class LoadPlan:
         out, offset = [], 0
         for chunk in bucket.chunks:
             src = self.sources[chunk.source]
-            for d in src.deliveries:
-                if d.rank != rank:
+            for d in src.shares:
+                if rank not in d.ranks:
                     continue
                 piece = clip(d.piece, chunk.rows)
                 if piece is None:
@@ -164,10 +223,10 @@ class LoadPlan:
                 if bucket.broadcast:
                     # The broadcast buffer is the chunks' raw bytes; the item points into it.
                     nbytes = (chunk.rows[1] - chunk.rows[0]) * src.row_bytes
-                    out.append(Item(chunk, d.param, piece, broadcast_offset(self, bucket, chunk), nbytes))
+                    out.append(Item(chunk, d.param, piece, broadcast_offset(self, bucket, chunk), nbytes, d.ranks))
                     continue
                 nbytes = piece.numel * itemsize(src.dtype)
-                out.append(Item(chunk, d.param, piece, offset, nbytes))
+                out.append(Item(chunk, d.param, piece, offset, nbytes, d.ranks))
                 offset += nbytes
         return out
 

@@ -29,16 +29,17 @@ class BucketReads:
 
     def _direct_candidates(self, bucket: Bucket, chunk) -> list:
         """This reader's own pieces of a chunk that may be read from the file straight into its params: whole
-        rows of the source (one byte range) that no other delivery needs from the read buffer. Whether the
-        param can take the bytes as they are (dtype, device, allocated yet) is checked when reading."""
+        rows of the source (one byte range) that no other share needs from the read buffer, and that no
+        replica of this reader takes (their fan-out is packed from the read buffer). Whether the param can
+        take the bytes as they are (dtype, device, allocated yet) is checked when reading."""
         if self.device.type != "cpu" or (self.plan.layout.world > 1 and bucket.broadcast):
             return []  # params on a device / the whole read buffer goes on the wire
         src = self.plan.sources[chunk.source]
-        clipped = [(d, clip(d.piece, chunk.rows)) for d in src.deliveries]
+        clipped = [(d, clip(d.piece, chunk.rows)) for d in src.shares]
         clipped = [(d, p) for d, p in clipped if p is not None]
         out = []
         for d, piece in clipped:
-            if d.rank != self.rank or piece.cols != (0, view2d(src.shape)[1]):
+            if self.rank not in d.ranks or d.ranks.count > 1 or piece.cols != (0, view2d(src.shape)[1]):
                 continue
             if any(o is not d and o_p.rows[0] < piece.rows[1] and piece.rows[0] < o_p.rows[1] for o, o_p in clipped):
                 continue

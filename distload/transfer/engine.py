@@ -10,12 +10,13 @@ from .. import faults
 from ..checkpoint import Reader
 from ..errors import DistloadError
 from ..plan import Bucket, LoadPlan
-from ..plan.wire import (BROADCAST, PACKED, SHM_DONE, SHM_DONE_BYTES, SHM_TOKEN, SHM_TOKEN_BYTES, describe, via_shm,
-                         wire_ops)
+from ..plan.wire import (BROADCAST, FANOUT, PACKED, SHM_DONE, SHM_DONE_BYTES, SHM_TOKEN, SHM_TOKEN_BYTES, describe,
+                         from_reader, p2p_bytes, p2p_receivers, via_shm, wire_ops)
 from .agreement import LostPeer
 from .bucket_reads import BucketReads
 from .buffers import BufferPool, ReadAhead, SharedSlots, TransferStats, attach_slot, shm_usable
-from .pieces import ParamWriter, landing_region, message
+from .fanout import FanOut, close_groups, fanout_bytes, make_groups
+from .pieces import ParamWriter, item_block, landing_region, message
 from .posting import StandIn, post_all
 
 
@@ -46,16 +47,19 @@ class Transfer:
         self.error: BaseException | None = None
         self.world = plan.layout.world
         self.writer = ParamWriter(plan, rank, params, self.stats)
-        biggest_read = max((b.read_bytes for b in plan.buckets), default=0)
-        biggest_recv = max((max(b.recv_bytes) if not b.broadcast else b.read_bytes for b in plan.buckets), default=0)
-        biggest_send = max((sum(b.recv_bytes) - b.recv_bytes[b.reader] for b in plan.buckets if not b.broadcast), default=0)
-        on_cuda = self.device.type == "cuda"
+        # Collective over the world: first, so that every rank makes the fan-out groups before anything here fails.
+        self.groups = make_groups(plan)
         mine = [b for b in plan.buckets if b.reader == rank]
+        biggest_read = max((b.read_bytes for b in plan.buckets), default=0)
+        biggest_recv = max((b.read_bytes if b.broadcast else p2p_bytes(b, rank) for b in plan.buckets), default=0)
+        biggest_send = max((sum(p2p_bytes(b, d) for d in p2p_receivers(b)) for b in mine if not b.broadcast), default=0)
+        biggest_fan = max((fanout_bytes(plan, b, rank) for b in plan.buckets), default=0)
+        on_cuda = self.device.type == "cuda"
         self.shm = shm_usable(self.world, self.device, shm)
         self._slots: SharedSlots | None = None
         self._attached: dict[tuple[int, int], torch.Tensor] = {}   # other readers' slots this rank has mapped
         read_buffers = None
-        if any(d != rank and b.recv_bytes[d] and via_shm(plan, b, d, self.shm) for b in mine for d in range(self.world)):
+        if any(via_shm(plan, b, d, self.shm) for b in mine if not b.broadcast for d in p2p_receivers(b)):
             try:
                 self._slots = SharedSlots(self.depth + 2, biggest_read)
                 read_buffers = self._slots.slots
@@ -69,8 +73,10 @@ class Transfer:
                                      buffers=read_buffers)
         self.recv_pool = BufferPool(self.depth + 1, biggest_recv, self.device) if self.world > 1 else None
         self.send_pool = BufferPool(self.depth + 1, biggest_send, self.device) if mine and self.world > 1 else None
+        # Fan-out buffers: a reader packs its groups' at posting (up to depth + 1 in flight), others at completion.
+        self.fan_pool = BufferPool(self.depth + 2, biggest_fan, self.device) if biggest_fan else None
         self.reads = BucketReads(plan, rank, params, reader, self.device, mine)
-        self.stand_in = StandIn(plan, rank, self.shm, self.device)
+        self.stand_in = StandIn(plan, rank, self.shm, self.device, self.groups)
         # The read-ahead thread overlaps reading with the wire (and, on CUDA, with the copies to the device).
         # Alone on a host there is nothing to overlap, and every hand-off between threads costs a wake-up
         # (milliseconds on a busy machine): read inline.
@@ -106,14 +112,19 @@ class Transfer:
             staged = self.recv_pool.get()
             staged[:bucket.read_bytes].copy_(host[:bucket.read_bytes], non_blocking=True)
             release.append(lambda: self.recv_pool.put(staged))
+        fan = FanOut(self.rank, ops, self.fan_pool)
+        ops = [op for op in ops if op.kind != FANOUT]
         if ops and ops[0].kind == BROADCAST:
             works = post_all([(ops[0], staged[:bucket.read_bytes])])
             self.stats.bytes_sent += bucket.read_bytes * (self.world - 1)
         else:
             works = post_all(self._sends(bucket, ops, host, staged, release)) if ops else []
-            self.stats.bytes_sent += sum(bucket.recv_bytes[d] for d in {op.peer for op in ops})
-        # The reader's own share goes straight from the read buffer into its params, now.
+            self.stats.bytes_sent += sum(p2p_bytes(bucket, d) for d in {op.peer for op in ops})
+        # The reader's own share goes straight from the read buffer into its params, now; what its groups'
+        # replicas take is packed for their fan-out before the read buffer is reused.
         self._guarded(lambda: self.writer.own_share(host, bucket, read_direct))
+        if fan:
+            self._guarded(lambda: fan.pack(lambda item: item_block(self.plan, host, bucket, item)))
         if works and self.device.type == "cpu":
             release.append(lambda: self.read_pool.put(host))  # the read buffer is on the wire
         else:
@@ -121,10 +132,10 @@ class Transfer:
                 torch.cuda.current_stream(self.device).synchronize()  # H2D copies done before reuse
             self.read_pool.put(host)
 
-        def finish():
+        def finish(fan):
             for r in release:
                 r()
-        return works, finish
+        return works, finish, fan
 
     def _sends(self, bucket: Bucket, ops, host: torch.Tensor, staged: torch.Tensor, release: list) -> list:
         """The buffer of each of the reader's point-to-point ops: shared-memory tokens naming its read buffer
@@ -146,20 +157,22 @@ class Transfer:
                 at += used
                 sent[op.peer] = sent.get(op.peer, 0) + buf.numel()
         for dst, n in sent.items():
-            if n != bucket.recv_bytes[dst]:
+            if n != p2p_bytes(bucket, dst):
                 raise RuntimeError(f"bucket {bucket.index}: {n} bytes for rank {dst}, "
-                                   f"plan says {bucket.recv_bytes[dst]}")
+                                   f"plan says {p2p_bytes(bucket, dst)}")
         return pairs
 
     # -- a receiver's side ---------------------------------------------------------------------------
 
     def _post_as_receiver(self, bucket: Bucket, ops):
         me = self.rank
+        fan = FanOut(me, ops, self.fan_pool)
+        ops = [op for op in ops if op.kind != FANOUT]
         if not ops:
-            return [], lambda: None
-        n = bucket.read_bytes if bucket.broadcast else bucket.recv_bytes[me]
+            return [], lambda fan: None, fan
+        n = bucket.read_bytes if bucket.broadcast else p2p_bytes(bucket, me)
         if ops[0].carries == SHM_TOKEN:
-            return self._post_shm_receive(bucket, ops, n)
+            return (*self._post_shm_receive(bucket, ops, n), fan)
         buf = self.recv_pool.get()
         self.stats.bytes_received += n
         if self.plan.layout.node(bucket.reader) != self.plan.layout.node(me):
@@ -168,16 +181,19 @@ class Transfer:
             wire = buf[:n]
             works = post_all([(ops[0], wire)])
 
-            def finish_broadcast():
+            def finish_broadcast(fan):
                 try:
                     self.writer.unpack_broadcast(wire, self.plan.items(bucket, me))
                 finally:
                     self.recv_pool.put(buf)
-            return works, finish_broadcast
+            return works, finish_broadcast, fan
         pairs, scratch, landed, at = [], [], [], 0
+        arrived = {}   # item -> its bytes as they arrived (flat), for this rank's fan-outs as a leader
         for op in ops:
             if op.carries == PACKED:  # first, at the start of the receive buffer
                 region, at = buf[:op.nbytes], op.nbytes
+                for item, offset in op.packed:
+                    arrived[item] = buf[offset:offset + item.nbytes]
             else:
                 src_dtype = self.plan.sources[op.item.chunk.source].dtype
                 region = landing_region(self.params, op.item.param, op.item.piece, src_dtype, self.device)
@@ -187,11 +203,14 @@ class Transfer:
                     scratch.append((op.item, region))
                 else:
                     landed.append(op.item)
+                arrived[op.item] = region
             pairs.append((op, region))
         works = post_all(pairs)
 
-        def finish():
+        def finish(fan):
             try:
+                if fan:
+                    fan.pack(lambda item: arrived[item].view(item.piece.rows[1] - item.piece.rows[0], -1))
                 for op in ops:
                     for item, offset in op.packed:
                         self.writer.unpack_wire_item(buf[offset:offset + item.nbytes], item)
@@ -201,19 +220,23 @@ class Transfer:
                     self.stats.record(item.param, item.piece)
             finally:
                 self.recv_pool.put(buf)
-        return works, finish
+        return works, finish, fan
 
     def _post_shm_receive(self, bucket: Bucket, ops, n: int):
         """This rank's share of a bucket whose reader is on this node: wait for its token, copy the pieces
-        out of the reader's shared slot, then tell it the slot is free again."""
+        out of the reader's shared slot (and pack its groups' fan-outs from there), then tell it the slot
+        is free again."""
         token_op, done_op = ops
         token = torch.empty(SHM_TOKEN_BYTES, dtype=torch.uint8)
         works = post_all([(token_op, token)])
         self.stats.bytes_received += n
 
-        def finish():
+        def finish(fan):
             try:
-                self.writer.from_read_buffer(attach_slot(token, self._attached), bucket)
+                slot = attach_slot(token, self._attached)
+                if fan:
+                    fan.pack(lambda item: item_block(self.plan, slot, bucket, item))
+                self.writer.from_read_buffer(slot, bucket, from_reader(self.plan, bucket, self.rank))
             finally:  # even after a failed copy: the reader waits for this to reuse the slot
                 post_all([(done_op, torch.zeros(SHM_DONE_BYTES, dtype=torch.uint8))])[0].wait()
         return works, finish
@@ -230,7 +253,7 @@ class Transfer:
     def _post_stand_in(self, bucket: Bucket):
         """This rank's part of `bucket` done with scratch bytes, once it cannot do the real one (StandIn)."""
         try:
-            return self.stand_in.post(bucket), lambda: None
+            return self.stand_in.post(bucket), lambda fan: None, FanOut(self.rank, (), None)
         except Exception as exc:
             raise LostPeer(describe(self.plan, bucket, self.rank, self._ops(bucket)), exc) from exc
 
@@ -241,15 +264,39 @@ class Transfer:
             if self.error is None:
                 self.error = exc
 
-    def _complete(self, bucket: Bucket, works, finish) -> None:
+    def _complete(self, bucket: Bucket, works, finish, fan) -> None:
+        """Wait for the bucket's ops, land what came; then its fan-outs (posted here, in bucket order on every
+        member of a group, once the leader's own copy is complete)."""
+        self._wait(bucket, works)
+        self._guarded(lambda: finish(fan))
+        if fan:
+            try:
+                self._wait(bucket, post_all(fan.pairs(), self.groups), fanouts=len(fan.ops))
+                self._guarded(lambda: self._land_fanout(bucket, fan))
+            finally:
+                fan.release()
+        if self.on_bucket_done is not None and self.error is None:
+            self._guarded(lambda: self.on_bucket_done(bucket))
+
+    def _wait(self, bucket: Bucket, works, fanouts: int = 0) -> None:
+        """Wait for `works` (the bucket's last `fanouts` ops when that many, else its first ones)."""
         for i, w in enumerate(works):
             try:
                 w.wait()
             except Exception as exc:  # a peer is gone or silent past the timeout: this protocol is over
-                raise LostPeer(describe(self.plan, bucket, self.rank, self._ops(bucket), i), exc) from exc
-        self._guarded(finish)
-        if self.on_bucket_done is not None and self.error is None:
-            self._guarded(lambda: self.on_bucket_done(bucket))
+                ops = self._ops(bucket)
+                failed = len(ops) - fanouts + i if fanouts else i
+                raise LostPeer(describe(self.plan, bucket, self.rank, ops, failed), exc) from exc
+
+    def _land_fanout(self, bucket: Bucket, fan: FanOut) -> None:
+        fan.unpack(self.writer)
+        node = self.plan.layout.node
+        for op in fan.ops:
+            if op.peer == self.rank:
+                self.stats.bytes_sent += op.nbytes * (op.group.count - 1)
+            else:
+                self.stats.bytes_received += op.nbytes
+                self.stats.bytes_from_other_nodes += op.nbytes if node(op.peer) != node(self.rank) else 0
 
     def run(self) -> TransferStats:
         if self.read_ahead is not None:
@@ -288,6 +335,7 @@ class Transfer:
             if self._slots is not None:
                 self._slots.close()
             self._attached = {}
+            close_groups(self.groups)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self.stats

@@ -85,10 +85,9 @@ class ParamWriter:
             block = source_block(buf, item.offset, src, item.chunk.rows[0], item.piece)
             self.write(item.param, item.piece, block, src.dtype)
 
-    def from_read_buffer(self, staged: torch.Tensor, bucket: Bucket) -> None:
-        """This rank's items of a bucket, copied out of a buffer laid out as the reader read it (a
-        reader's shared slot)."""
-        for item in self.plan.items(bucket, self.rank):
+    def from_read_buffer(self, staged: torch.Tensor, bucket: Bucket, items: list[Item]) -> None:
+        """`items` of a bucket, copied out of a buffer laid out as the reader read it (a reader's shared slot)."""
+        for item in items:
             src = self.plan.sources[item.chunk.source]
             self.write(item.param, item.piece, item_block(self.plan, staged, bucket, item), src.dtype)
 
@@ -98,8 +97,8 @@ class ParamWriter:
         direct = {id(d) for d in read_direct}
         for chunk in bucket.chunks:
             src = self.plan.sources[chunk.source]
-            for d in src.deliveries:
-                if d.rank != self.rank:
+            for d in src.shares:
+                if self.rank not in d.ranks:
                     continue
                 piece = clip(d.piece, chunk.rows)
                 if piece is None:
