@@ -78,3 +78,13 @@ def laid_out(tensors: dict[str, tuple[str, str, tuple[int, ...]]]) -> dict[str, 
         out[name] = TensorEntry(name, file, dtype, tuple(shape), at.get(file, 8), nbytes)
         at[file] = at.get(file, 8) + nbytes
     return out
+
+
+def one_file_entries(shapes: dict[str, tuple[int, ...]], dtype: str = "F32") -> dict[str, TensorEntry]:
+    """Entries of tensors {name: shape} in one model.safetensors, laid out in the given order."""
+    out, at = {}, 8
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize(dtype)
+        out[name] = TensorEntry(name, "model.safetensors", dtype, tuple(shape), at, nbytes)
+        at += nbytes
+    return out

@@ -6,7 +6,6 @@ test_families.py (LAYOUT_FAMILIES gpt_oss). MXFP4 checkpoints are not covered he
 from __future__ import annotations
 
 import pytest
-import torch
 
 import distload
 from distload.checkpoint import discover

@@ -26,7 +26,7 @@ from distload.plan import build_plan, expert_hosts
 from distload.plan.shard import view2d
 from distload.rules import rules_for
 from distload.topology import Layout
-from hf_metadata import decoder_config, decoder_shapes, sharded_entries
+from hf_metadata import decoder_config, decoder_shapes, one_file_entries, sharded_entries
 from hf_models import DENSE
 from checks import TOY_MOE_RULES, toy_rules
 from layout_oracle import serving_shards
@@ -523,15 +523,6 @@ def test_deterministic(ckpt):
 # Synthetic rules: shapes the shipped families do not have
 
 
-def toy_entries(shapes: dict[str, tuple[int, ...]], dtype: str = "F32") -> dict[str, TensorEntry]:
-    out, at = {}, 8
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize(dtype)
-        out[name] = TensorEntry(name, "model.safetensors", dtype, tuple(shape), at, nbytes)
-        at += nbytes
-    return out
-
-
 def test_row_layer_1d_bias_is_replicated(tmp_path):
     rules = toy_rules(tmp_path, """\
         [params."o.weight"]
@@ -539,7 +530,7 @@ def test_row_layer_1d_bias_is_replicated(tmp_path):
         [params."o.bias"]
         style = "row"
         """)
-    entries = toy_entries({"o.weight": (6, 8), "o.bias": (6,)})
+    entries = one_file_entries({"o.weight": (6, 8), "o.bias": (6,)})
     values = arange_values(entries)
     plan = build_plan(entries, {}, rules, Layout(world=4, tp=4))
     assert plan.sources["o.bias"].broadcast
@@ -556,7 +547,7 @@ def test_column_3d_local_shape(tmp_path):
         [params."conv.weight"]
         style = "column"
         """)
-    entries = toy_entries({"conv.weight": (4, 6, 8)})
+    entries = one_file_entries({"conv.weight": (4, 6, 8)})
     plan = build_plan(entries, {}, rules, Layout(world=2, tp=2))
     for rank in range(2):
         spec = plan.specs[rank]["conv.weight"]
@@ -573,7 +564,7 @@ def moe_entries():
         shapes[f"model.layers.0.experts.{e}.w1.weight"] = (I, H)
         shapes[f"model.layers.0.experts.{e}.w2.weight"] = (H, I)
         shapes[f"model.layers.0.experts.{e}.w3.weight"] = (I, H)
-    return toy_entries(shapes)
+    return one_file_entries(shapes)
 
 
 def expected_moe(values, ids, t, g):

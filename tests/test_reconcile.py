@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distload.errors import DistloadError, RankFailure
+from distload.errors import DistloadError
 from distload.plan import ParamSpec
 from distload.reconcile import SUMMARY_BYTES, coverage, local_record, reconcile, summary_of
 from spawn import run_ranks

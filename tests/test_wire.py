@@ -9,31 +9,20 @@ messages, as the transfer builds them, are exactly the sizes its peers receive.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
 import torch
 
-from distload.checkpoint import TensorEntry
-from distload.dtypes import itemsize
 from distload.plan import build_plan
 from distload.plan.wire import (BROADCAST, BUCKET_BYTES, DIRECT, FANOUT, PACKED, RECV, SEND, SHM_DONE, SHM_TOKEN,
                                 describe, from_reader, stand_in_slices, via_shm, wire_ops)
 from distload.rules import rules_for
 from distload.topology import Layout
+from hf_metadata import one_file_entries
 from distload.transfer.pieces import message
 
 H, I, V, LAYERS, HEADS, KV_HEADS, EXPERTS = 512, 1024, 1024, 2, 8, 4, 4
-
-
-def entries(shapes: dict[str, tuple[int, ...]], dtype: str = "F32") -> dict[str, TensorEntry]:
-    out, at = {}, 8
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize(dtype)
-        out[name] = TensorEntry(name, "model.safetensors", dtype, tuple(shape), at, nbytes)
-        at += nbytes
-    return out
 
 
 def decoder(moe: bool) -> tuple[dict, dict]:
@@ -57,7 +46,7 @@ def decoder(moe: bool) -> tuple[dict, dict]:
         else:
             shapes.update({p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
                            p + "mlp.down_proj.weight": (H, I)})
-    return entries(shapes), config
+    return one_file_entries(shapes), config
 
 
 LAYOUTS = {
