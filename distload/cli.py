@@ -46,7 +46,8 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-strict", dest="strict", action="store_false", help="warn about missing/unexpected instead of failing")
     p.add_argument("--device", default=None, help="device for params (default cuda:LOCAL_RANK if CUDA, else cpu)")
     p.add_argument("--backend", default=None, help="process-group backend (default nccl on CUDA, gloo on CPU)")
-    p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="process-group timeout, seconds")
+    p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0,
+                   help="seconds any collective may wait, and the bound on planning (default 600)")
     p.add_argument("--staging-mib", type=int, default=None,
                    help="size of one staging buffer (one bucket), MiB (default 16); a reader holds 4")
     p.add_argument("--read-strategy", default=None, choices=_ReadStrategies(), metavar="STRATEGY",

@@ -14,6 +14,7 @@ import torch
 from . import host_memory, topology
 from .checkpoint import choose_strategy
 from .checkpoint.dcp import is_dcp
+from .deadline import within
 from .delivery import transfer_phase
 from .dtypes import torch_dtype
 from .errors import PlanError
@@ -129,7 +130,11 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     origin = source.origin(found)
     clock.lap("discover")
 
-    plan = run_phase("planning", lambda: source.plan(found, topo.layout), digest=plan_digest)
+    def plan_within_timeout():
+        with within(options.timeout_s, "planning"):
+            return source.plan(found, topo.layout)
+
+    plan = run_phase("planning", plan_within_timeout, digest=plan_digest)
     specs = plan.specs[rank]
     for note in plan.notes:
         log.info(note)
