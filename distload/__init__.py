@@ -36,8 +36,8 @@ def __getattr__(name: str):
 def load(path, *, tp: int | None = None, ep: int = 1, readers: str | int = "per-node", config: str | None = None,
          strict: bool = True, device: str | None = None, backend: str | None = None, timeout_s: float = 600.0,
          staging_mib: float | None = None, read_strategy: str | None = None, expert_placement: str = "linear",
-         expert_map=None, save_sharded: str | None = None, report: str | None = None, progress: bool = True,
-         reshard: bool = False, checksums: bool = True, hf_config: str | None = None, quantize: str | None = None,
+         expert_map=None, save_sharded: str | None = None, save_for: str | None = None, report: str | None = None,
+         progress: bool = True, reshard: bool = False, checksums: bool = True, hf_config: str | None = None, quantize: str | None = None,
          dequantize: bool = False, verify_checksums: bool = False, check_finite: bool = False, **misspelt):
     """Load `path` onto this rank (call it on every rank of the job). Options as `distload load --help`
     (options.LoadOptions); a misspelt one is refused by name.
@@ -49,6 +49,8 @@ def load(path, *, tp: int | None = None, ep: int = 1, readers: str | int = "per-
     land (params `X.weight` fp8 + `X.weight_scale` / `X.weight_scale_inv`); dequantize=True: an FP8
     checkpoint's weights as BF16. FP8 checkpoints (config.json quantization_config) load as FP8 by default.
     verify_checksums: sha256 of each weight file against CKPT/checksums; check_finite: a NaN/Inf scan.
+    save_for="vllm" (with save_sharded=OUT, world = tp): OUT also holds what vLLM's load_format="sharded_state"
+    reads as it is (integrations/vllm_save.py).
     """
     options = dict(locals())
     del options["path"], options["misspelt"]
@@ -58,8 +60,8 @@ def load(path, *, tp: int | None = None, ep: int = 1, readers: str | int = "per-
 def load_into(module, path, *, tp: int | None = None, ep: int = 1, device=None, readers: str | int = "per-node",
               config: str | None = None, strict: bool = True, backend: str | None = None, timeout_s: float = 600.0,
               staging_mib: float | None = None, read_strategy: str | None = None, expert_placement: str = "linear",
-              expert_map=None, save_sharded: str | None = None, report: str | None = None, progress: bool = True,
-              reshard: bool = False, checksums: bool = True, hf_config: str | None = None,
+              expert_map=None, save_sharded: str | None = None, save_for: str | None = None,
+              report: str | None = None, progress: bool = True, reshard: bool = False, checksums: bool = True, hf_config: str | None = None,
               quantize: str | None = None, dequantize: bool = False, verify_checksums: bool = False,
               check_finite: bool = False, **misspelt):
     """Fill `module`'s params in place by the same plan; a module on the meta device is materialised first.

@@ -56,6 +56,9 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"])
     p.add_argument("--expert-map", default=None, help="EPLB JSON file: per rank, the global expert ids it hosts")
     p.add_argument("--save-sharded", default=None, metavar="OUT", help="write each rank's shards + manifest to OUT")
+    p.add_argument("--for", dest="save_for", default=None, metavar="SERVER",
+                   help="with --save-sharded: OUT also holds what SERVER reads as it is (vllm: load_format="
+                        "'sharded_state', tp = the world size)")
     p.add_argument("--report", default=None, metavar="FILE", help="write the report JSON to FILE (rank 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--quantize", default=None, choices=["fp8", "fp8-block"],
@@ -85,7 +88,7 @@ def load_options(args):
                           staging_mib=args.staging_mib, read_strategy=args.read_strategy,
                           expert_placement=args.expert_placement,
                           expert_map=read_expert_map(args.expert_map) if args.expert_map else None,
-                          save_sharded=args.save_sharded, report=args.report, progress=args.progress,
+                          save_sharded=args.save_sharded, save_for=args.save_for, report=args.report, progress=args.progress,
                           reshard=args.reshard, checksums=args.checksums, hf_config=args.hf_config,
                           quantize=args.quantize, dequantize=args.dequantize,
                           verify_checksums=args.verify_checksums, check_finite=args.check_finite)

@@ -19,6 +19,7 @@ from .delivery import transfer_phase
 from .dtypes import torch_dtype
 from .errors import PlanError
 from .gc_freeze import with_earlier_objects_frozen
+from .integrations.vllm_save import export_for_vllm
 from .integrity import finite_verdict, nonfinite
 from .names import describe
 from .options import LoadOptions
@@ -34,7 +35,7 @@ from .transfer import outcome, shared_from_rank0
 from .transfer.agreement import plan_digest, run_phase, verdict_everywhere
 from .transfer.pull import why_not_usable
 from .transfer.route import Route, choose_route, reading_ranks
-from .validate import validate_load_options
+from .validate import check_save_for_layout, validate_load_options
 
 log = logging.getLogger("distload")
 
@@ -138,6 +139,7 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     specs = plan.specs[rank]
     for note in plan.notes:
         log.info(note)
+    check_save_for_layout(options.save_for, plan.layout.world, plan.layout.tp)  # before a byte moves
     clock.lap("plan")
     record = source.before_transfer(found, plan, rank, clock)
 
@@ -204,6 +206,10 @@ def hand_off(result: LoadResult, clock: PhaseClock, origin, options: LoadOptions
         save_sharded(options.save_sharded, result.rank, result.params, result.specs, result.plan, origin.config,
                      origin.source, origin.checkpoint_tensors)
         clock.lap("save")
+        if options.save_for:  # rank 0 writes vLLM's files beside the saved ones; every rank waits
+            out, version = options.save_sharded, options.save_for.partition("==")[2] or None
+            run_phase("save for vllm", lambda: export_for_vllm(out, out, version) if result.rank == 0 else None)
+            clock.lap("save for vllm")
         result.report["seconds"] = clock.as_dict()
         result.report["saved_to"] = str(Path(options.save_sharded).absolute())
     if result.rank == 0:

@@ -83,6 +83,7 @@ class LoadOptions:
     expert_placement: str = "linear"
     expert_map: tuple[tuple[int, ...], ...] | None = None   # EPLB: per rank, the global expert ids it hosts
     save_sharded: str | None = None
+    save_for: str | None = None                # "vllm": the save also holds what vLLM's sharded_state reads
     report: str | None = None                  # report JSON file (rank 0)
     progress: bool = True
     reshard: bool = False

@@ -213,8 +213,31 @@ def check_options(options) -> None:
     check_staging_mib(options.staging_mib)
     check_expert_map(options.expert_map)
     check_save_target(options.save_sharded)
+    check_save_for(options.save_for, options.save_sharded)
     check_report_path(options.report)
     check_hf_config(options.hf_config)
+
+
+SAVE_FOR = ("vllm",)
+
+
+def check_save_for(save_for: str | None, save_sharded: str | None) -> None:
+    """--for SERVER[==VERSION]: a server distload knows, and only with a --save-sharded to write it into."""
+    if save_for is None:
+        return
+    server, _, version = save_for.partition("==")
+    if server not in SAVE_FOR or (_ and not version):
+        raise OptionError(f"--for {save_for!r}: distload writes saves for {', '.join(SAVE_FOR)} (optionally "
+                          f"SERVER==VERSION, e.g. vllm==0.32.0); pick one of them")
+    if not save_sharded:
+        raise OptionError(f"--for {save_for}: says whom a --save-sharded directory is for; add --save-sharded OUT")
+
+
+def check_save_for_layout(save_for: str | None, world: int, tp: int) -> None:
+    """vLLM's sharded_state reads one file per tp rank: a save for it needs world = tp (known once planned)."""
+    if save_for is not None and world != tp:
+        raise OptionError(f"--for {save_for}: vLLM's sharded_state reads one file per tp rank, but this job has "
+                          f"{world} ranks at tp {tp}; run it on {tp} ranks, or save without --for")
 
 
 def validate_load_options(path: str, options) -> None:

@@ -195,3 +195,14 @@ def test_the_python_api_refuses_a_save_inside_the_checkpoint_before_any_rendezvo
     ckpt.mkdir()
     with pytest.raises(OptionError, match="--save-sharded .* is inside the checkpoint"):
         distload.load(str(ckpt), save_sharded=str(ckpt / "saved"), progress=False)
+
+
+def test_save_for_names_a_known_server_and_needs_a_save(tmp_path):
+    from distload.validate import check_save_for
+
+    check_save_for(None, None)
+    check_save_for("vllm", str(tmp_path / "out"))
+    check_save_for("vllm==0.32.0", str(tmp_path / "out"))
+    refused(check_save_for, "sglang", str(tmp_path / "out"), names=("--for 'sglang'", "vllm"))
+    refused(check_save_for, "vllm==", str(tmp_path / "out"), names=("--for 'vllm=='",))
+    refused(check_save_for, "vllm", None, names=("--for vllm", "add --save-sharded OUT"))

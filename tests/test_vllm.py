@@ -90,10 +90,10 @@ def checkpoints(tmp_path_factory):
     return checkpoint
 
 
-def distload_save(ckpt: Path, out: Path) -> Path:
+def distload_save(ckpt: Path, out: Path, *extra: str, nproc: int = 2) -> Path:
     """`distload load CKPT --tp 2 --save-sharded OUT` under torchrun, as a training job would."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "distload", "load",
-           str(ckpt), "--tp", "2", "--save-sharded", str(out), "--no-progress"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "distload", "load",
+           str(ckpt), "--tp", "2", "--save-sharded", str(out), "--no-progress", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -184,3 +184,29 @@ def test_export_refuses_an_architecture_without_sharded_state_names():
     assert not architecture_aliased({"architectures": ["LlamaForCausalLM"]}, profile, "0.32.0")
     with pytest.raises(DistloadError, match=r"Qwen2MoeForCausalLM.*\[profile\.sharded_state\].*vllm\.toml"):
         architecture_aliased({"architectures": ["Qwen2MoeForCausalLM"]}, profile, "0.32.0")
+
+
+def test_save_sharded_for_vllm_writes_what_the_export_writes_beside_a_save_that_still_reloads(checkpoints, tmp_path):
+    """`--save-sharded OUT --for vllm==V` in one job: OUT holds vLLM's files, tensor for tensor what the
+    export (served by vLLM in test_distload_save_served_as_sharded_state) writes, and is still a distload
+    save. A job whose world is not its tp is refused before any byte moves."""
+    from safetensors.torch import load_file
+
+    from distload.integrations.vllm_save import VLLM_FILE
+
+    ckpt = checkpoints("llama")
+    out = distload_save(ckpt, tmp_path / "out", "--for", "vllm==0.32.0")
+    reference = export_for_vllm(distload_save(ckpt, tmp_path / "plain"), tmp_path / "exported", "0.32.0")
+    for rank in range(2):
+        ours, theirs = (load_file(d / VLLM_FILE.format(rank=rank)) for d in (out, reference))
+        assert sorted(ours) == sorted(theirs)
+        assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    assert json.loads((out / "config.json").read_text()) == json.loads((reference / "config.json").read_text())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "distload", "load",
+           str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "every param loaded exactly once" in proc.stdout, proc.stderr[-4000:]
+    with pytest.raises(AssertionError, match=r"--for vllm==0\.32\.0: vLLM's sharded_state reads one file per tp rank"):
+        distload_save(ckpt, tmp_path / "replicas", "--for", "vllm==0.32.0", nproc=4)
+    assert not (tmp_path / "replicas").exists()
+
