@@ -35,7 +35,7 @@ from .transfer import outcome, shared_from_rank0
 from .transfer.agreement import plan_digest, run_phase, verdict_everywhere
 from .transfer.pull import why_not_usable
 from .transfer.route import Route, choose_route, reading_ranks
-from .validate import check_save_for_layout, validate_load_options
+from .validate import check_save_for_layout, save_for_server, validate_load_options
 
 log = logging.getLogger("distload")
 
@@ -207,7 +207,7 @@ def hand_off(result: LoadResult, clock: PhaseClock, origin, options: LoadOptions
                      origin.source, origin.checkpoint_tensors)
         clock.lap("save")
         if options.save_for:  # rank 0 writes vLLM's files beside the saved ones; every rank waits
-            out, version = options.save_sharded, options.save_for.partition("==")[2] or None
+            out, (_, version) = options.save_sharded, save_for_server(options.save_for)
             run_phase("save for vllm", lambda: export_for_vllm(out, out, version) if result.rank == 0 else None)
             clock.lap("save for vllm")
         result.report["seconds"] = clock.as_dict()

@@ -221,12 +221,18 @@ def check_options(options) -> None:
 SAVE_FOR = ("vllm",)
 
 
+def save_for_server(save_for: str) -> tuple[str, str | None]:
+    """(server, version or None) of --for SERVER[==VERSION]; version "" when the '==' has nothing after it."""
+    server, sep, version = save_for.partition("==")
+    return server, (version if sep else None)
+
+
 def check_save_for(save_for: str | None, save_sharded: str | None) -> None:
     """--for SERVER[==VERSION]: a server distload knows, and only with a --save-sharded to write it into."""
     if save_for is None:
         return
-    server, _, version = save_for.partition("==")
-    if server not in SAVE_FOR or (_ and not version):
+    server, version = save_for_server(save_for)
+    if server not in SAVE_FOR or version == "":
         raise OptionError(f"--for {save_for!r}: distload writes saves for {', '.join(SAVE_FOR)} (optionally "
                           f"SERVER==VERSION, e.g. vllm==0.32.0); pick one of them")
     if not save_sharded:
