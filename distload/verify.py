@@ -21,7 +21,7 @@ import torch
 from . import topology
 from .errors import DistloadError
 from .loader import run_load
-from .models import forward
+from .models import forward_for
 from .options import LoadOptions
 from .transfer import broadcast_object
 from .transfer.agreement import run_phase
@@ -186,9 +186,9 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
             raise DistloadError(f"--input-ids: token id {max(input_ids)} is outside the vocabulary "
                                 f"(config.json vocab_size={vocab}); use ids in 0..{vocab - 1}")
         device = next(iter(result.params.values())).device
-        return forward(result.params, config, torch.tensor(input_ids, device=device), tp_rank=layout.tp_rank(rank),
-                       tp_size=layout.tp, local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep,
-                       dtype=torch_dt)
+        run = forward_for(config)
+        return run(result.params, config, torch.tensor(input_ids, device=device), tp_rank=layout.tp_rank(rank),
+                   tp_size=layout.tp, local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep, dtype=torch_dt)
 
     logits = run_phase("forward", run_forward)
 

@@ -18,6 +18,7 @@ PURE_MODULES = (
     "test_names",
     "test_rules",
     "test_shard",
+    "test_stages",
     "test_structure",
     "test_validate",
 )

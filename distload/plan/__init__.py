@@ -17,6 +17,7 @@
     build.py          build_plan: the above in order
     wire.py           per bucket and rank: the wire ops each side posts (sender and receiver agree)
     reshard.py        plans that reload (and re-cut) a sharded save
+    stages.py         pipeline stages: the layers each stage holds (vLLM's split)
 """
 
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
