@@ -13,8 +13,9 @@ PY=$venv/bin/python
 if [[ ! -x $PY ]]; then
   mkdir -p "$(dirname "$venv")" && python3 -m venv "$venv" || exit 1
 fi
-here() {  # this checkout's distload, vLLM and pytest importable in the venv
-  "$PY" - <<'PY' 2>/dev/null
+here() {  # this checkout's distload, vLLM and pytest importable in the venv (-P: not the one in the cwd, which
+  # would hide an editable install of another checkout that vLLM's workers would then import)
+  "$PY" -P - <<'PY' 2>/dev/null
 import importlib.util, pathlib, sys
 spec = importlib.util.find_spec("distload")
 ok = spec is not None and pathlib.Path(spec.origin).resolve().parent == pathlib.Path("distload").resolve()
