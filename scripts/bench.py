@@ -270,18 +270,20 @@ def warm_up(ckpt: Path, files: list[str]) -> None:
 
 
 class Context:
-    def __init__(self, ckpt: Path, staging_mib: int | None, loaders: list[str], device: str = "cpu"):
+    def __init__(self, ckpt: Path, staging_mib: int | None, loaders: list[str], device: str = "cpu",
+                 tp: int | None = None):
         import torch.distributed as dist
 
         import distload
 
         self.ckpt, self.staging_mib, self.device = ckpt, staging_mib, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.tp = tp or self.world  # ranks beyond tp: data-parallel replicas holding the same shards
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.files = weight_files(ckpt)
         # The serving layout every loader must produce: distload's plan (a pure function), made here, outside
         # the timed region of the other loaders.
-        self.plan = distload.inspect(ckpt, tp=self.world, world=self.world, local_world=self.local_world)
+        self.plan = distload.inspect(ckpt, tp=self.tp, world=self.world, local_world=self.local_world)
         self.mine: dict[str, list] = {}
         for name, src in self.plan.sources.items():
             for d in src.deliveries:
@@ -359,7 +361,7 @@ class Context:
 def load_distload(ctx: Context, readers, read_strategy: str | None = None):
     import distload
 
-    result = distload.load(ctx.ckpt, tp=ctx.world, readers=readers, staging_mib=ctx.staging_mib, progress=False,
+    result = distload.load(ctx.ckpt, tp=ctx.tp, readers=readers, staging_mib=ctx.staging_mib, progress=False,
                            device=ctx.device, read_strategy=read_strategy)
     return result.params, result.report["per_rank"][ctx.rank]["bytes_received"]
 
@@ -524,7 +526,7 @@ def worker(args) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = Path(args.checkpoint)
     loaders = args.loaders.split(",")
-    ctx = Context(ckpt, args.staging_mib, loaders, f"cuda:{local_rank}" if on_cuda else "cpu")
+    ctx = Context(ckpt, args.staging_mib, loaders, f"cuda:{local_rank}" if on_cuda else "cpu", args.tp)
 
     def finished() -> float:  # device copies are asynchronous: a load ends when they are done
         if on_cuda:
@@ -643,6 +645,8 @@ def worker_args(ckpt: str, jsonl: Path, args, loaders: list[str]) -> list[str]:
         out += ["--warmup", "0"]
     if args.device != "cpu":
         out += ["--device", args.device]
+    if args.tp:
+        out += ["--tp", str(args.tp)]
     return out
 
 
@@ -688,12 +692,14 @@ def can_emulate_nodes() -> tuple[bool, str]:
     return True, ""
 
 
-def run_two_nodes(copies: list[Path], mount: Path, jsonl: Path, args, loaders: list[str], log) -> int:
-    """Two torchrun node agents, each in its own mount namespace with its own copy of the checkpoint at `mount`."""
+def run_nodes(copies: list[Path], mount: Path, jsonl: Path, args, loaders: list[str], log) -> int:
+    """One torchrun node agent per copy, each in its own mount namespace with its own copy of the checkpoint at
+    `mount` (so each node has its own page cache)."""
     port = free_port()
     procs = []
     for node, copy in enumerate(copies):
-        inner = torchrun() + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+        inner = torchrun() + ["--nnodes", str(len(copies)), "--node-rank", str(node),
+                              "--nproc-per-node", str(args.node_ranks),
                               "--rdzv-backend", "static", "--rdzv-endpoint", f"127.0.0.1:{port}"]
         inner += worker_args(str(mount), jsonl, args, loaders)
         script = f"mount --bind {_q(copy)} {_q(mount)} && exec " + " ".join(_q(x) for x in inner)
@@ -933,6 +939,7 @@ def main(argv=None) -> int:
     w.add_argument("--staging-mib", type=int, default=None)
     w.add_argument("--warmup", type=int, default=1)
     w.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    w.add_argument("--tp", type=int, default=None)
     p.add_argument("--checkpoint", default=None, help="benchmark this checkpoint (default: build one in --workdir)")
     p.add_argument("--size-gib", type=float, default=1.0, help="size of the built checkpoint")
     p.add_argument("--files", type=int, default=4, help="safetensors files in the built checkpoint")
@@ -943,7 +950,12 @@ def main(argv=None) -> int:
                    help="where params live: cpu (gloo) or cuda (NCCL, one GPU per rank; default loaders distload, "
                         "every-rank-reads, fastsafetensors if installed; storage and H2D bandwidth measured too)")
     p.add_argument("--two-nodes", choices=("auto", "on", "off"), default=None,
-                   help="emulate 2 nodes x 2 ranks (default auto; --quick: off)")
+                   help="emulate --nodes nodes x --node-ranks ranks (default auto; --quick: off)")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes of that scenario (default 2)")
+    p.add_argument("--node-ranks", type=int, default=2, help="ranks per emulated node (default 2)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default: the world; below it the other ranks are replicas: "
+                        "loaders every-rank-reads and distload* only)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per loader and cache (default 3; --quick: 1)")
     p.add_argument("--loaders", default=None, help=f"comma list of {', '.join(LOADERS + EXTRA_LOADERS)}")
     p.add_argument("--caches", default="cold,warm")
@@ -965,6 +977,10 @@ def main(argv=None) -> int:
     ranks_text = args.ranks if args.ranks is not None else ("2" if args.quick else "1" if on_cuda else "1,2,4")
     ranks = [int(x) for x in ranks_text.split(",") if x]
     two_nodes = args.two_nodes or ("off" if args.quick or on_cuda else "auto")
+    chosen = (args.loaders or ",".join(LOADERS)).split(",")
+    if args.tp and {"fastsafetensors", "dcp"} & set(chosen):
+        raise SystemExit("--tp: fastsafetensors and dcp split over the whole world here; pass --loaders "
+                         "distload,every-rank-reads (or other distload-* loaders)")
     if on_cuda:
         import torch
 
@@ -1004,18 +1020,20 @@ def main(argv=None) -> int:
             if not ok and two_nodes == "on":
                 raise SystemExit(f"cannot emulate two nodes: {why}")
             if ok:
-                copy = workdir / f"{ckpt.name}-node1"
-                if not (copy / "model.safetensors.index.json").exists():
-                    shutil.copytree(ckpt, copy, dirs_exist_ok=True)
-                    os.sync()  # dirty pages cannot be evicted: a cold run must find the files on disk
+                copies = [ckpt] + [workdir / f"{ckpt.name}-node{k}" for k in range(1, args.nodes)]
+                for copy in copies[1:]:
+                    if not (copy / "model.safetensors.index.json").exists():
+                        shutil.copytree(ckpt, copy, dirs_exist_ok=True)
+                        os.sync()  # dirty pages cannot be evicted: a cold run must find the files on disk
                 mount = workdir / "node-mount"
                 mount.mkdir(exist_ok=True)
                 loaders = [x for x in (args.loaders or ",".join(LOADERS)).split(",") if x not in ONE_NODE_ONLY]
-                print(f"[bench] 2 nodes x 2 ranks (emulated): {', '.join(loaders)}; {args.caches}; {args.reps} rep(s)",
+                scenario = f"{args.nodes} nodes x {args.node_ranks} ranks"
+                print(f"[bench] {scenario} (emulated): {', '.join(loaders)}; {args.caches}; {args.reps} rep(s)",
                       flush=True)
-                rc = run_two_nodes([ckpt, copy], mount, jsonl, args, loaders, log)
+                rc = run_nodes(copies, mount, jsonl, args, loaders, log)
                 if rc:
-                    notes.append(f"2 nodes: torchrun exited {rc} (see {log_path})")
+                    notes.append(f"{scenario}: torchrun exited {rc} (see {log_path})")
             else:
                 notes.append(f"two emulated nodes skipped: {why}")
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []

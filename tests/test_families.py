@@ -156,6 +156,13 @@ def test_gpt2_conv1d_weights_are_staged_as_stored_and_transposed_after_landing(c
         build_plan({**entries, name: replace(e, shape=(256, 64))}, config, rules_for(config), Layout(world=2, tp=2))
     with pytest.raises(PlanError, match="a transposed param cannot also be quantized"):
         build_plan(entries, config, rules_for(config), Layout(world=2, tp=2), quantize="fp8")
+    # A save of it cannot be re-cut (its params were made by the transpose step): the refusal names the step.
+    from distload.plan.reshard import reshard_plan
+
+    manifest = {"checkpoint_tensors": {n: {"dtype": e.dtype, "shape": list(e.shape)} for n, e in entries.items()},
+                "hf_config": config, "params": {}, "world_size": 2, "tp": 2, "ep": 1}
+    with pytest.raises(PlanError, match=r"made by post-load steps \(transpose\); re-cutting them is not supported"):
+        reshard_plan(manifest, rules_for(config), Layout(world=4, tp=4), 1 << 20)
 
 
 def test_the_mtp_layer_after_the_decoder_is_read_not_at_all(checkpoints, tmp_path):

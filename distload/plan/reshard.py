@@ -155,8 +155,10 @@ def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int) -> L
     config = manifest["hf_config"]
     old = build_plan(index, config, rules, saved_layout(manifest), strict=False)
     if any(old.post):
-        raise PlanError(f"--reshard: the save holds params made by post-load steps ({old.quantization}); re-cutting "
-                        f"them is not supported: reload it on its own topology, or load the original checkpoint")
+        kinds = sorted({step.op for steps in old.post for step in steps})
+        raise PlanError(f"--reshard: the save holds params made by post-load steps ({', '.join(kinds)}"
+                        + (f"; {old.quantization}" if old.quantization else "") + "); re-cutting them is not "
+                        "supported: reload it on its own topology, or load the original checkpoint")
     _check_reproduces(old, manifest, rules)
     new = build_plan(index, config, rules, layout, strict=False)
     old_world = manifest["world_size"]
