@@ -149,6 +149,44 @@ def test_verify_matches_transformers(api_runs, saved, world):
         assert rel_err(ours, ref) < 1e-4 and torch.equal(ours.argmax(-1), ref.argmax(-1)), case.id
 
 
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """[gate; up] -> [up; gate] along each expert's rows."""
+    a, b = t.chunk(2, dim=-2)
+    return torch.cat([b, a], dim=-2)
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's interleaved gate/up rows read as if they were [gate; up] halves."""
+    return torch.cat([t[..., 0::2, :], t[..., 1::2, :]], dim=-2)
+
+
+# checkpoint -> (param suffix, a plausible wrong layout of it with the right shape)
+WRONG_LAYOUTS = {
+    "deepseek_v3": ("mlp.experts.w13_weight", _swap_halves),
+    "gpt_oss": ("mlp.experts.w13_weight", _deinterleave),
+    "glm4_moe": ("mlp.shared_experts.gate_up_proj.weight", lambda t: _swap_halves(t[None])[0]),
+    "qwen3_next": ("linear_attn.in_proj_ba.weight", lambda t: t.flip(0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_LAYOUTS))
+def test_the_forward_tells_a_wrong_layout(saved, name):
+    """In this process at tp 1 (no process group): the oracle's shards give transformers' logits, and the same
+    shards with one param in a wrong layout of the right shape do not, so a verify OK is not vacuous."""
+    from distload.models import forward_for
+    from hf_models import checkpoint_tensors, read_config
+    from layout_oracle import serving_shards
+
+    config = read_config(saved[0][name])
+    shards = serving_shards(checkpoint_tensors(saved[0][name]), config, 0, 1)
+    run, ref = forward_for(config), saved[1][name]
+    assert rel_err(run(shards, config, torch.tensor(INPUT_IDS), tp_rank=0, tp_size=1), ref) < 1e-4
+    suffix, wrong = WRONG_LAYOUTS[name]
+    broken = {k: (wrong(v) if k.endswith(suffix) else v) for k, v in shards.items()}
+    assert sum(k.endswith(suffix) for k in shards) >= 1
+    assert rel_err(run(broken, config, torch.tensor(INPUT_IDS), tp_rank=0, tp_size=1), ref) > TOL
+
+
 # ----------------------------------------------------------------------------------------------------
 # The CLI through real torchrun
 
