@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import DEEPSEEK_V3, build_model
+from hf_models import DEEPSEEK_V3, build_model, with_mtp_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 2e-2
@@ -60,7 +60,7 @@ class Case:
 
 CASES = {
     2: [Case("deepseek_v3"), Case("deepseek_v3", ep=2), Case("deepseek_v3_no_q_lora"), Case("deepseek_v3_yarn", ep=2),
-        Case("deepseek_v3", ep=2, expert_map=((0, 1, 2, 3, 4, 5, 6, 7), (2, 5))),
+        Case("deepseek_v3", ep=2, expert_map=((0, 1, 2, 3, 4, 5, 6, 7), (2, 5))), Case("deepseek_v3_mtp", ep=2),
         Case("gpt_oss"), Case("gpt_oss", ep=2), Case("gpt_oss", ep=2, placement="round_robin"),
         Case("glm4_moe"), Case("glm4_moe", ep=2), Case("qwen3_next"), Case("qwen3_next", ep=2)],
     4: [Case("deepseek_v3", ep=2), Case("gpt_oss", ep=4), Case("glm4_moe", ep=2), Case("qwen3_next", ep=2)],
@@ -89,6 +89,9 @@ def saved(tmp_path_factory) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
         paths[name] = str(root / name)
         with torch.no_grad():
             logits[name] = model(torch.tensor([INPUT_IDS])).logits[0]
+    # The same model with a multi-token-prediction layer appended (as DeepSeek-V3 ships it): not part of the model.
+    paths["deepseek_v3_mtp"] = with_mtp_layer(paths["deepseek_v3"], root / "deepseek_v3_mtp")[0]
+    logits["deepseek_v3_mtp"] = logits["deepseek_v3"]
     return paths, logits
 
 
