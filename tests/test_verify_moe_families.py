@@ -63,7 +63,7 @@ CASES = {
         Case("deepseek_v3", ep=2, expert_map=((0, 1, 2, 3, 4, 5, 6, 7), (2, 5))), Case("deepseek_v3_mtp", ep=2),
         Case("gpt_oss"), Case("gpt_oss", ep=2), Case("gpt_oss", ep=2, placement="round_robin"),
         Case("glm4_moe"), Case("glm4_moe", ep=2), Case("qwen3_next"), Case("qwen3_next", ep=2)],
-    4: [Case("deepseek_v3", ep=2), Case("gpt_oss", ep=4), Case("glm4_moe", ep=2), Case("qwen3_next", ep=2)],
+    4: [Case("deepseek_v3", ep=2), Case("gpt_oss", ep=2), Case("gpt_oss", ep=4), Case("glm4_moe", ep=2), Case("qwen3_next", ep=2)],
 }
 
 
@@ -188,6 +188,17 @@ def test_the_forward_tells_a_wrong_layout(saved, name):
     broken = {k: (wrong(v) if k.endswith(suffix) else v) for k, v in shards.items()}
     assert sum(k.endswith(suffix) for k in shards) >= 1
     assert rel_err(run(broken, config, torch.tensor(INPUT_IDS), tp_rank=0, tp_size=1), ref) > TOL
+
+
+def test_every_listed_forward_takes_the_arguments_of_forward_forward():
+    import inspect
+
+    from distload.models import FORWARDS, forward, forward_for
+
+    assert set(FORWARDS) >= {"deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next"}
+    for model_type in FORWARDS:
+        run = forward_for({"model_type": model_type})
+        assert run is not forward and inspect.signature(run) == inspect.signature(forward), model_type
 
 
 # ----------------------------------------------------------------------------------------------------
