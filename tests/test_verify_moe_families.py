@@ -63,7 +63,8 @@ CASES = {
         Case("deepseek_v3", ep=2, expert_map=((0, 1, 2, 3, 4, 5, 6, 7), (2, 5))), Case("deepseek_v3_mtp", ep=2),
         Case("gpt_oss"), Case("gpt_oss", ep=2), Case("gpt_oss", ep=2, placement="round_robin"),
         Case("glm4_moe"), Case("glm4_moe", ep=2), Case("qwen3_next"), Case("qwen3_next", ep=2)],
-    4: [Case("deepseek_v3", ep=2), Case("gpt_oss", ep=2), Case("gpt_oss", ep=4), Case("glm4_moe", ep=2), Case("qwen3_next", ep=2)],
+    4: [Case("deepseek_v3", ep=2), Case("gpt_oss", ep=2), Case("gpt_oss", ep=4), Case("glm4_moe", ep=2),
+        Case("qwen3_next", ep=2)],
 }
 
 
