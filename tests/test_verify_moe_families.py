@@ -202,6 +202,22 @@ def test_every_listed_forward_takes_the_arguments_of_forward_forward():
         assert run is not forward and inspect.signature(run) == inspect.signature(forward), model_type
 
 
+def test_quantized_weights_are_refused_by_name(saved):
+    """Block-FP8 weights and their scales would be multiplied as plain numbers: the forward names them instead."""
+    from distload.errors import DistloadError
+    from distload.models import forward_for
+    from hf_models import checkpoint_tensors, read_config
+    from layout_oracle import serving_shards
+
+    config = read_config(saved[0]["deepseek_v3"])
+    shards = serving_shards(checkpoint_tensors(saved[0]["deepseek_v3"]), config, 0, 1)
+    name = "model.layers.1.mlp.shared_experts.down_proj.weight"
+    shards[name] = shards[name].to(torch.float8_e4m3fn)
+    shards[name + "_scale_inv"] = torch.ones(1, 1)
+    with pytest.raises(DistloadError, match=r"down_proj\.weight \(and 1 more\): the loaded weights are quantized"):
+        forward_for(config)(shards, config, torch.tensor(INPUT_IDS), tp_rank=0, tp_size=1)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The CLI through real torchrun
 

@@ -16,6 +16,7 @@ from distload.errors import DistloadError
 from distload.models.forward import causal_mask, embed, rms_norm
 from distload.transfer import all_gather_cat
 
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # (layer index, normed hidden [T, H]) -> this block's output [T, H], already reduced over the group
 Block = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -26,11 +27,22 @@ def check_silu(config: dict) -> None:
         raise DistloadError(f"hidden_act={config['hidden_act']!r}: the reference forward implements SwiGLU (silu) only")
 
 
+def check_unquantized(params: dict[str, torch.Tensor]) -> None:
+    """Quantized weights (block FP8 with weight_scale_inv, other scales) would be used as plain numbers: refuse."""
+    scaled = sorted(name for name, t in params.items()
+                    if name.endswith(("weight_scale_inv", "weight_scale")) or t.dtype in FLOAT8)
+    if scaled:
+        raise DistloadError(f"{scaled[0]} (and {len(scaled) - 1} more): the loaded weights are quantized; the reference "
+                            "forward computes with unquantized (bf16 / fp32) weights only: verify the checkpoint "
+                            "before quantization")
+
+
 def decoder_logits(params: dict[str, torch.Tensor], config: dict, input_ids: torch.Tensor, *, tp_rank: int, dtype,
                    group, attention: Block, mlp: Block, embed_name: str = "model.embed_tokens.weight",
                    norm=rms_norm) -> torch.Tensor:
     """Logits float32 `[T, vocab_size]`, identical on every rank of `group` (collective).
     norm(x, weight, eps): the decoder's RMSNorm (Qwen3-Next scales by 1 + weight)."""
+    check_unquantized(params)
     eps = config["rms_norm_eps"]
     embed_weight = params[embed_name]
     x = embed(embed_weight, input_ids.to(embed_weight.device), tp_rank, dtype, group)
