@@ -10,7 +10,12 @@ import importlib
 from distload.models.forward import FAMILIES, Family, family_of, forward
 
 # model_type -> "module:function" under distload.models, for forwards other than forward.forward.
-FORWARDS: dict[str, str] = {}
+FORWARDS: dict[str, str] = {
+    "deepseek_v3": "deepseek:forward",
+    "glm4_moe": "glm4_moe:forward",
+    "gpt_oss": "gpt_oss:forward",
+    "qwen3_next": "qwen3_next:forward",
+}
 
 
 def forward_for(config: dict):

@@ -69,17 +69,9 @@ def sparse_moe(params: dict, prefix: str, x: torch.Tensor, *, local_expert_ids: 
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(x.dtype)
 
-    w13, w2 = params[prefix + "experts.w13_weight"], params[prefix + "experts.w2_weight"]
-    if w13.shape[0] != len(local_expert_ids) or w2.shape[0] != len(local_expert_ids):
-        raise DistloadError(f"{prefix}experts: w13_weight {tuple(w13.shape)} / w2_weight {tuple(w2.shape)} do not "
-                            f"hold the {len(local_expert_ids)} local experts {local_expert_ids}")
-    out = torch.zeros_like(x)
-    for slot, expert in enumerate(local_expert_ids):
-        if not counted[slot]:
-            continue
-        token, k = torch.where(chosen == expert)
-        if token.numel():
-            out.index_add_(0, token, swiglu(x[token], w13[slot], w2[slot]) * weights[token, k, None])
+    w13, w2 = local_experts(params, prefix, local_expert_ids)
+    out = routed_experts(x, chosen, weights, local_expert_ids, counted,
+                         lambda slot, tokens: swiglu(tokens, w13[slot], w2[slot]))
 
     if shared_expert:
         # Qwen2-MoE: a dense expert, TP-split over the world, scaled by a per-token sigmoid gate. The gate is
@@ -88,3 +80,65 @@ def sparse_moe(params: dict, prefix: str, x: torch.Tensor, *, local_expert_ids: 
         out += gate * swiglu(x, params[prefix + "shared_expert.gate_up_proj.weight"],
                              params[prefix + "shared_expert.down_proj.weight"])
     return out
+
+
+def expert_placement(local_expert_ids: list[int] | None, n_experts: int, *, tp_rank: int, tp_size: int,
+                     ep_size: int, device, group=None) -> tuple[list[int], list[bool]]:
+    """This rank's expert ids (default: the contiguous placement), checked ascending and distinct, and for each
+    whether this rank's group counts it (counted_experts). Collective: every rank must call it."""
+    if local_expert_ids is None:
+        local_expert_ids = default_expert_ids(n_experts, tp_rank, tp_size, ep_size)
+    if list(local_expert_ids) != sorted(set(local_expert_ids)):
+        raise DistloadError(f"local_expert_ids {local_expert_ids} must be ascending and distinct: "
+                            "w13_weight/w2_weight hold the local experts in ascending global id")
+    counted = counted_experts(list(local_expert_ids), n_experts, tp_rank=tp_rank, tp_size=tp_size, ep_size=ep_size,
+                              device=device, group=group)
+    return list(local_expert_ids), counted
+
+
+def local_experts(params: dict, prefix: str, local_expert_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13_weight and w2_weight of the block at `prefix`, checked to hold one matrix per local expert."""
+    w13, w2 = params[prefix + "experts.w13_weight"], params[prefix + "experts.w2_weight"]
+    if w13.shape[0] != len(local_expert_ids) or w2.shape[0] != len(local_expert_ids):
+        raise DistloadError(f"{prefix}experts: w13_weight {tuple(w13.shape)} / w2_weight {tuple(w2.shape)} do not "
+                            f"hold the {len(local_expert_ids)} local experts {local_expert_ids}")
+    return w13, w2
+
+
+def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, local_expert_ids: list[int],
+                   counted: list[bool], expert) -> torch.Tensor:
+    """Per token, the sum of weight * expert(slot, its x) over the counted local experts it chose (a partial
+    sum: the world's sum is the block's output). chosen / weights `[T, k]`: global expert ids and their weights."""
+    out = torch.zeros_like(x)
+    for slot, expert_id in enumerate(local_expert_ids):
+        if not counted[slot]:
+            continue
+        token, k = torch.where(chosen == expert_id)
+        if token.numel():
+            out.index_add_(0, token, (expert(slot, x[token]) * weights[token, k, None]).to(x.dtype))
+    return out
+
+
+def grouped_topk_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, *, top_k: int,
+                       n_group: int, topk_group: int, norm_topk: bool,
+                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM-4.5 router as transformers computes it, in float32: sigmoid scores; the choice adds the
+    correction bias and keeps only the topk_group groups whose two best biased scores sum highest; the weights
+    are the unbiased scores of the top_k chosen, renormalised if asked, times routed_scaling_factor.
+    Returns (weights float32 [T, k], chosen ids [T, k])."""
+    scores = F.linear(x.float(), gate_weight.float()).sigmoid()
+    choice = scores + correction_bias.float()
+    tokens, n_experts = choice.shape
+    if n_experts % n_group:
+        raise DistloadError(f"n_group={n_group} must divide the {n_experts} routed experts (config.json)")
+    per_group = n_experts // n_group
+    group_scores = choice.view(tokens, n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(tokens, n_group, per_group).reshape(tokens, n_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    chosen = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, chosen)
+    if norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, chosen
