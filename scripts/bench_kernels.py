@@ -87,6 +87,53 @@ def cases(rows: int, cols: int, experts: int, device: torch.device) -> list[tupl
          lambda: kernels.dequantize_fp8_block_reference(q_block, scale_inv)),
         ("quantize_fp8_block experts", f"{experts}x{rows // experts}x{cols}", 3 * w_experts.numel(),
          lambda: kernels.quantize_fp8_block(w_experts), lambda: kernels.quantize_fp8_block_reference(w_experts)),
+        *four_bit_cases(rows, cols, device, gen),
+    ]
+
+
+def four_bit_cases(rows: int, cols: int, device: torch.device, gen) -> list[tuple[str, str, int, Callable, Callable]]:
+    """The 4-bit dequantization kernels on random packed tensors of a [rows, cols] weight (the values do not
+    change the work); bytes moved: the packed input, its scales, and the bf16 output."""
+    def ints(*shape, dtype=torch.int32):
+        return torch.randint(-2**31, 2**31 - 1, shape, generator=gen, device=device, dtype=torch.int64).to(dtype)
+
+    def scales(*shape, dtype=torch.float16):
+        return (torch.rand(shape, generator=gen, device=device) * 0.01 + 0.001).to(dtype)
+
+    def u8(*shape):
+        return torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
+
+    n, group, shape = rows * cols, 128, f"{rows}x{cols}"
+    out_bytes, packed_bytes = 2 * n, n // 2
+    g = cols // group
+    gptq = (ints(cols // 8, rows), ints(g, rows // 8), scales(g, rows))
+    g_idx = torch.arange(cols, device=device, dtype=torch.int32) // group
+    awq = (ints(cols, rows // 8), ints(g, rows // 8), scales(g, rows))
+    compressed = (ints(rows, cols // 8), scales(rows, g, dtype=torch.bfloat16), ints(rows // 8, g))
+    nvfp4 = (u8(rows, cols // 2), scales(rows, cols // 16, dtype=torch.float32).to(torch.float8_e4m3fn),
+             torch.tensor(0.5, device=device))
+    mxfp4 = (u8(rows, cols // 32, 16), torch.randint(118, 130, (rows, cols // 32), generator=gen, device=device,
+                                                        dtype=torch.int32).to(torch.uint8))
+    nf4_map = torch.linspace(-1, 1, 16, device=device)
+    nf4 = (u8(n // 2), scales(n // 64, dtype=torch.float32), nf4_map, (rows, cols))
+    return [
+        ("dequantize_gptq g128", shape, packed_bytes + 2 * rows * g + out_bytes,
+         lambda: kernels.dequantize_gptq(*gptq, group_size=group),
+         lambda: kernels.dequantize_gptq_reference(*gptq, group_size=group)),
+        ("dequantize_gptq g128 desc_act", shape, packed_bytes + 2 * rows * g + 4 * cols + out_bytes,
+         lambda: kernels.dequantize_gptq(*gptq, g_idx=g_idx, group_size=group),
+         lambda: kernels.dequantize_gptq_reference(*gptq, g_idx=g_idx, group_size=group)),
+        ("dequantize_awq g128", shape, packed_bytes + 2 * rows * g + out_bytes,
+         lambda: kernels.dequantize_awq(*awq), lambda: kernels.dequantize_awq_reference(*awq)),
+        ("dequantize_compressed_int4 g128", shape, packed_bytes + 2 * rows * g + out_bytes,
+         lambda: kernels.dequantize_compressed_int4(*compressed),
+         lambda: kernels.dequantize_compressed_int4_reference(*compressed)),
+        ("dequantize_nvfp4", shape, packed_bytes + n // 16 + out_bytes,
+         lambda: kernels.dequantize_nvfp4(*nvfp4), lambda: kernels.dequantize_nvfp4_reference(*nvfp4)),
+        ("dequantize_mxfp4", shape, packed_bytes + n // 32 + out_bytes,
+         lambda: kernels.dequantize_mxfp4(*mxfp4), lambda: kernels.dequantize_mxfp4_reference(*mxfp4)),
+        ("dequantize_bnb_nf4", shape, packed_bytes + 4 * n // 64 + out_bytes,
+         lambda: kernels.dequantize_bnb_4bit(*nf4), lambda: kernels.dequantize_bnb_4bit_reference(*nf4)),
     ]
 
 
