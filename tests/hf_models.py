@@ -31,8 +31,8 @@ FAMILIES: dict[str, dict] = {
 DEEPSEEK_V3 = dict(model_type="deepseek_v3", num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
                    moe_intermediate_size=32, first_k_dense_replace=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-# Families whose layout is shipped (configs/*.toml) and checked against layout_oracle.py; the reference
-# forward (distload/models) does not run them yet, so they are kept out of DENSE / FAMILIES.
+# Families whose layout is shipped (configs/*.toml) and checked against layout_oracle.py; their reference
+# forwards are tested in tests/test_verify_families.py / test_verify_moe_families.py, not with DENSE / MOE.
 LAYOUT_FAMILIES: dict[str, dict] = {
     "gemma2": dict(model_type="gemma2", head_dim=16),
     "gemma3": dict(model_type="gemma3_text", head_dim=16),
@@ -57,6 +57,8 @@ LAYOUT_FAMILIES: dict[str, dict] = {
     # DeepSeek-V3: MLA (q_lora, kv_lora, rope/nope split), dense layer 0, 8 routed experts in 2 groups + 1 shared
     "deepseek_v3": DEEPSEEK_V3,
     "deepseek_v3_no_q_lora": {**DEEPSEEK_V3, "q_lora_rank": None},   # V2-Lite style: q_proj, kv_a replicated
+    # DeepSeek-V2: V3's layout without the router's correction bias; softmax router, group-limited top-k
+    "deepseek_v2": {**DEEPSEEK_V3, "model_type": "deepseek_v2", "topk_method": "group_limited_greedy"},
     # GPT-OSS (BF16 experts): stacked [E, H, 2I] interleaved gate/up, biases, sinks, a sliding and a full layer
     "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                     layer_types=["sliding_attention", "full_attention"], sliding_window=8),

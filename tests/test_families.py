@@ -20,7 +20,7 @@ EXPECTED_FAMILY = {"gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2", "ol
                    "granite": "granite", "starcoder2": "starcoder2", "cohere": "cohere", "cohere_qk_norm": "cohere",
                    "gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode",
                    "glm4_moe": "glm4_moe", "qwen3_next": "qwen3_next", "deepseek_v3": "deepseek_v3",
-                   "deepseek_v3_no_q_lora": "deepseek_v3", "gpt_oss": "gpt_oss",
+                   "deepseek_v3_no_q_lora": "deepseek_v3", "deepseek_v2": "deepseek_v2", "gpt_oss": "gpt_oss",
                    "internlm2": "internlm2", "internlm2_mqa": "internlm2"}
 
 

@@ -35,6 +35,7 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_posit
 CHECKPOINTS: dict[str, tuple[str, dict]] = {
     "deepseek_v3": ("deepseek_v3", {}),
     "deepseek_v3_no_q_lora": ("deepseek_v3_no_q_lora", {}),
+    "deepseek_v2": ("deepseek_v2", {}),
     # yarn with mscale_all_dim (softmax scale and cos/sin scaled), rope not interleaved
     "deepseek_v3_yarn": ("deepseek_v3", dict(rope_parameters=YARN, rope_interleave=False)),
     "gpt_oss": ("gpt_oss", {}),
@@ -61,6 +62,7 @@ class Case:
 CASES = {
     2: [Case("deepseek_v3"), Case("deepseek_v3", ep=2), Case("deepseek_v3_no_q_lora"), Case("deepseek_v3_yarn", ep=2),
         Case("deepseek_v3", ep=2, expert_map=((0, 1, 2, 3, 4, 5, 6, 7), (2, 5))), Case("deepseek_v3_mtp", ep=2),
+        Case("deepseek_v2"), Case("deepseek_v2", ep=2),
         Case("gpt_oss"), Case("gpt_oss", ep=2), Case("gpt_oss", ep=2, placement="round_robin"),
         Case("glm4_moe"), Case("glm4_moe", ep=2), Case("qwen3_next"), Case("qwen3_next", ep=2)],
     4: [Case("deepseek_v3", ep=2), Case("gpt_oss", ep=2), Case("gpt_oss", ep=4), Case("glm4_moe", ep=2),

@@ -111,7 +111,8 @@ def test_dense_tp2_state_and_tokens(family, checkpoints, tmp_path):
 
 
 @needs_vllm
-@pytest.mark.parametrize("family,ep", [("mixtral", False), ("mixtral", True), ("qwen3_moe", False), ("qwen2_moe", False)])
+@pytest.mark.parametrize("family,ep", [("mixtral", False), ("mixtral", True), ("qwen3_moe", False), ("qwen2_moe", False),
+                                       ("deepseek_v3", False), ("gpt_oss", False)])
 def test_moe_tp2_state(family, ep, checkpoints, tmp_path):
     ckpt = checkpoints(family)  # no tokens: vLLM's CPU fused-MoE kernel crashes generating with EP
     ours = run_vllm(ckpt, "distload", tmp_path, ep=ep, tokens=False)

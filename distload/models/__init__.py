@@ -11,6 +11,7 @@ from distload.models.forward import FAMILIES, Family, family_of, forward
 
 # model_type -> "module:function" under distload.models, for forwards other than forward.forward.
 FORWARDS: dict[str, str] = {
+    "deepseek_v2": "deepseek:forward",
     "deepseek_v3": "deepseek:forward",
     "glm4_moe": "glm4_moe:forward",
     "gpt_oss": "gpt_oss:forward",

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / R1 / Kimi-K2 reference forward over the serving layout configs/deepseek_v3.toml delivers.
+"""DeepSeek-V2 / V3 / R1 / Kimi-K2 reference forward over the serving layout configs/deepseek_v3.toml delivers.
 
 Multi-head latent attention, plain (the latent kv is expanded per head, not absorbed into q): the low-rank down
 projections are replicated (`fused_qkv_a_proj` = [q_a rows; kv_a_proj_with_mqa rows], or q_proj by heads and
@@ -7,7 +7,8 @@ heads, o_proj is row-parallel. Each head's query and key are [nope | rope]: the 
 head shared by all (k_rot of kv_a), rotated by DeepSeek's interleaved-pair RoPE when rope_interleave (as
 transformers applies it). The MoE block (also GLM-4.5's): a sigmoid router with e_score_correction_bias and
 grouped top-k, routed experts under EP, shared experts as one dense MLP over the group; layers below
-first_k_dense_replace (and off the moe_layer_freq grid) keep a dense MLP.
+first_k_dense_replace (and off the moe_layer_freq grid) keep a dense MLP. DeepSeek-V2 differs only in its
+router: softmax scores, greedy or group-limited top-k, no correction bias.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 from distload.errors import DistloadError
 from distload.models.decoder import check_silu, decoder_logits, masked_softmax_attention
 from distload.models.forward import causal_mask, dense_mlp, rms_norm
-from distload.models.moe import expert_placement, grouped_topk_route, local_experts, routed_experts, swiglu
+from distload.models.moe import (expert_placement, grouped_topk_route, local_experts, routed_experts,
+                                 softmax_topk_route, swiglu)
 from distload.models.rope import apply_rope, rope_cos_sin, rope_parameters
 from distload.transfer import all_reduce_sum
 
@@ -100,11 +102,17 @@ def is_moe_layer(config: dict, layer: int) -> bool:
 def grouped_moe(params: dict, prefix: str, x: torch.Tensor, config: dict, *, local_expert_ids: list[int],
                 counted: list[bool], group=None) -> torch.Tensor:
     """The DeepSeek MoE block (router, routed experts, shared experts); its output summed over the group."""
-    weights, chosen = grouped_topk_route(
-        x, params[prefix + "gate.weight"], params[prefix + "gate.e_score_correction_bias"],
-        top_k=config["num_experts_per_tok"], n_group=config.get("n_group") or 1,
-        topk_group=config.get("topk_group") or 1, norm_topk=bool(config.get("norm_topk_prob", True)),
-        scaling=config.get("routed_scaling_factor", 1.0))
+    if config.get("model_type") == "deepseek_v2":  # softmax scores, no correction bias
+        weights, chosen = softmax_topk_route(
+            x, params[prefix + "gate.weight"], top_k=config["num_experts_per_tok"],
+            method=config.get("topk_method") or "greedy", n_group=config.get("n_group") or 1,
+            topk_group=config.get("topk_group") or 1, scaling=config.get("routed_scaling_factor", 1.0))
+    else:
+        weights, chosen = grouped_topk_route(
+            x, params[prefix + "gate.weight"], params[prefix + "gate.e_score_correction_bias"],
+            top_k=config["num_experts_per_tok"], n_group=config.get("n_group") or 1,
+            topk_group=config.get("topk_group") or 1, norm_topk=bool(config.get("norm_topk_prob", True)),
+            scaling=config.get("routed_scaling_factor", 1.0))
     w13, w2 = local_experts(params, prefix, local_expert_ids)
     out = routed_experts(x, chosen, weights, local_expert_ids, counted,
                          lambda slot, tokens: swiglu(tokens, w13[slot], w2[slot]))

@@ -142,3 +142,25 @@ def grouped_topk_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bi
     if norm_topk:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, chosen
+
+
+def softmax_topk_route(x: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int, method: str, n_group: int,
+                       topk_group: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's router as transformers computes it, in float32: softmax scores; `greedy` takes the top_k,
+    `group_limited_greedy` only from the topk_group groups with the highest best score; the weights (never
+    renormalised) times routed_scaling_factor. Returns (weights float32 [T, k], chosen ids [T, k])."""
+    scores = F.linear(x.float(), gate_weight.float()).softmax(dim=-1)
+    if method == "group_limited_greedy":
+        tokens, n_experts = scores.shape
+        if n_experts % n_group:
+            raise DistloadError(f"n_group={n_group} must divide the {n_experts} routed experts (config.json)")
+        group_scores = scores.view(tokens, n_group, n_experts // n_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(tokens, n_group, n_experts // n_group).reshape(tokens, n_experts)
+        scores = scores.masked_fill(~keep.bool(), 0.0)
+    elif method != "greedy":
+        raise DistloadError(f"topk_method={method!r}: the DeepSeek-V2 reference forward implements 'greedy' and "
+                            "'group_limited_greedy'")
+    weights, chosen = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return weights * scaling, chosen
