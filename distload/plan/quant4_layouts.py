@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from ..errors import PlanError
+from . import quant4_mxfp4
 from .quant4 import PackedTensor
 from .quant4_formats import IN, ONE, OUT, Packed4, expected_view
 from .shard import LocalLayout, Piece, valid_group_sizes, view2d
@@ -26,9 +27,11 @@ class _Split(Exception):
 
 
 def packed_layouts(planned: dict, packed: tuple[PackedTensor, ...], targets: dict, index: dict, scheme: Packed4,
-                   group: int, relayout) -> dict:
+                   group: int, relayout, dequantize: bool = False) -> dict:
     """Replace each packed target's logical (specs, layouts) in `planned` by its packed tensors'; return the
     logical ones (what a dequantization step produces). relayout(name, q): the logical ones at tp q."""
+    if scheme is not None and scheme.name == "mxfp4":  # vLLM's uneven, padded expert split
+        return quant4_mxfp4.packed_layouts(planned, packed, targets, index, scheme, dequantize)
     by_weight: dict[str, list[PackedTensor]] = {}
     for p in packed:
         by_weight.setdefault(p.weight, []).append(p)
