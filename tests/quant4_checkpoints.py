@@ -82,8 +82,9 @@ def quantization_config(fmt: str) -> dict:
     return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
 
 
-def packed_checkpoint(src: Path, out: Path, fmt: str) -> Path:
-    """Copy checkpoint `src` to `out` with every linear weight quantized to `fmt`, in the same files."""
+def rewritten_checkpoint(src: Path, out: Path, pattern: re.Pattern, replace, quantization: dict) -> Path:
+    """Copy checkpoint `src` to `out`, each tensor whose name matches `pattern` replaced by the tensors
+    replace(name, tensor) returns (in the same file), and quantization_config set in config.json."""
     from safetensors.torch import load_file, save_file
 
     out.mkdir(parents=True)
@@ -91,20 +92,28 @@ def packed_checkpoint(src: Path, out: Path, fmt: str) -> Path:
     for f in sorted(src.glob("*.safetensors")):
         tensors = {}
         for n, w in sorted(load_file(f).items()):
-            if not LINEAR.match(n):
+            if not pattern.match(n):
                 tensors[n] = w
                 continue
             del index["weight_map"][n]
-            for suffix, t in _quantize(fmt, w.double().numpy(), n).items():
-                tensors[n[: -len("weight")] + suffix] = torch.as_tensor(t).contiguous()
+            tensors.update(replace(n, w))
         for n in tensors:
             index["weight_map"][n] = f.name
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt)
+    config["quantization_config"] = quantization
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def packed_checkpoint(src: Path, out: Path, fmt: str) -> Path:
+    """Copy checkpoint `src` to `out` with every linear weight quantized to `fmt`, in the same files."""
+    def quantized(n, w):
+        return {n[: -len("weight")] + suffix: torch.as_tensor(t).contiguous()
+                for suffix, t in _quantize(fmt, w.double().numpy(), n).items()}
+
+    return rewritten_checkpoint(src, out, LINEAR, quantized, quantization_config(fmt))
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -194,28 +203,12 @@ MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
 
 def mxfp4_checkpoint(src: Path, out: Path) -> Path:
     """Copy GPT-OSS checkpoint `src` to `out` with its stacked experts quantized to MXFP4 by the reference."""
-    from safetensors.torch import load_file, save_file
+    def quantized(n, w):
+        per_expert = [ref.mxfp4_quantize(w[e].double().numpy().T) for e in range(w.shape[0])]
+        return {n + suffix: torch.from_numpy(np.stack([q[key] for q in per_expert])).contiguous()
+                for suffix, key in (("_blocks", "blocks"), ("_scales", "scales"))}
 
-    out.mkdir(parents=True)
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    for f in sorted(src.glob("*.safetensors")):
-        tensors = {}
-        for n, w in sorted(load_file(f).items()):
-            if not MXFP4_EXPERTS.match(n):
-                tensors[n] = w
-                continue
-            del index["weight_map"][n]
-            per_expert = [ref.mxfp4_quantize(w[e].double().numpy().T) for e in range(w.shape[0])]
-            for suffix, key in (("_blocks", "blocks"), ("_scales", "scales")):
-                tensors[n + suffix] = torch.from_numpy(np.stack([q[key] for q in per_expert])).contiguous()
-        for n in tensors:
-            index["weight_map"][n] = f.name
-        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = MXFP4_CONFIG
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    return rewritten_checkpoint(src, out, MXFP4_EXPERTS, quantized, MXFP4_CONFIG)
 
 
 def mxfp4_dequantized(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -51,6 +51,15 @@ class Logical:
     packed: tuple[PackedTensor, ...]
 
 
+def by_weight(packed, weights=None) -> dict[str, list[PackedTensor]]:
+    """The packed tensors grouped by the logical weight they stand for (only those in `weights`, when given)."""
+    out: dict[str, list[PackedTensor]] = {}
+    for p in packed:
+        if weights is None or p.weight in weights:
+            out.setdefault(p.weight, []).append(p)
+    return out
+
+
 LOGICAL = "{}[logical]"   # a logical weight's name where a packed tensor keeps the name X.weight (NVFP4)
 
 

@@ -16,7 +16,7 @@ import math
 
 from ..errors import PlanError
 from . import quant4_mxfp4
-from .quant4 import PackedTensor
+from .quant4 import PackedTensor, by_weight
 from .quant4_formats import IN, ONE, OUT, Packed4, expected_view
 from .shard import LocalLayout, Piece, valid_group_sizes, view2d
 from .types import ParamSpec
@@ -32,11 +32,8 @@ def packed_layouts(planned: dict, packed: tuple[PackedTensor, ...], targets: dic
     logical ones (what a dequantization step produces). relayout(name, q): the logical ones at tp q."""
     if scheme is not None and scheme.name == "mxfp4":  # vLLM's uneven, padded expert split
         return quant4_mxfp4.packed_layouts(planned, packed, targets, index, scheme, dequantize)
-    by_weight: dict[str, list[PackedTensor]] = {}
-    for p in packed:
-        by_weight.setdefault(p.weight, []).append(p)
     logical = {}
-    for weight, tensors in by_weight.items():
+    for weight, tensors in by_weight(packed).items():
         if weight not in planned:
             continue  # not matched (non-strict load): nothing to cut
         specs, lays = logical[weight] = planned.pop(weight)

@@ -21,7 +21,7 @@ experts). vLLM asserts I % tp == 0; a split that leaves a rank without a block i
 from __future__ import annotations
 
 from ..errors import PlanError
-from .quant4 import PackedTensor
+from .quant4 import PackedTensor, by_weight
 from .quant4_formats import MXFP4_BLOCK, Packed4
 from .shard import LocalLayout, Piece, valid_group_sizes
 from .types import ParamSpec
@@ -83,11 +83,8 @@ def packed_layouts(planned: dict, packed: tuple[PackedTensor, ...], targets: dic
     """Replace each MXFP4 weight's logical (specs, layouts) in `planned` by its blocks' and scales' (and w13's
     bias by its padded cut); return the padded logical ones (what --dequantize produces). With dequantize the
     blocks and scales are staged unpadded (a post-load step never reads a padded param): it pads its output."""
-    by_weight: dict[str, list[PackedTensor]] = {}
-    for p in packed:
-        by_weight.setdefault(p.weight, []).append(p)
     logical = {}
-    for weight, tensors in by_weight.items():
+    for weight, tensors in by_weight(packed).items():
         if weight not in planned:
             continue
         specs, _ = planned.pop(weight)

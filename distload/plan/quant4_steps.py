@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import PlanError
 from .quant import DEQUANTIZED_DTYPE
-from .quant4 import PackedTensor
+from .quant4 import PackedTensor, by_weight
 from .quant4_formats import BNB_BLOCK, Packed4
 
 
@@ -64,13 +64,9 @@ def finalize(staging: list[dict], logical: dict, packed: tuple[PackedTensor, ...
                         f"drop --quantize")
     if not dequantize:
         return staging, [() for _ in staging], scheme.describe()
-    by_weight: dict[str, list[PackedTensor]] = {}
-    for p in packed:
-        if p.weight in logical:
-            by_weight.setdefault(p.weight, []).append(p)
     final = [dict(specs) for specs in staging]
     steps: list[list[Dequant4Step]] = [[] for _ in staging]
-    for weight, tensors in by_weight.items():
+    for weight, tensors in by_weight(packed, logical).items():
         specs, lays = logical[weight]
         target = targets[weight]
         sources = target.sources
