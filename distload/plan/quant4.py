@@ -130,15 +130,18 @@ def _mxfp4_logical(targets, tensors: dict, scheme: Packed4) -> Logical:
             raise PlanError(f"{t.name} ({scheme.describe()}): the checkpoint has {blocks} but lacks {scales}; "
                             f"every MXFP4 tensor has its E8M0 scales: the checkpoint is incomplete")
         b, s = tensors[blocks], tensors[scales]
-        if (b.dtype, s.dtype) != ("U8", "U8") or len(b.shape) != 4 or b.shape[3] != 16 or tuple(s.shape) != tuple(b.shape[:3]):
+        # [E, out, in/2] too: the same bytes as vLLM's w13_weight, which a sharded save records
+        view = tuple(b.shape[:2]) + (math.prod(b.shape[2:]),) if len(b.shape) in (3, 4) else (0, 0, 1)
+        if ((b.dtype, s.dtype) != ("U8", "U8") or (len(b.shape) == 4 and b.shape[3] != 16) or view[2] % 16
+                or tuple(s.shape) != view[:2] + (view[2] // 16,)):
             raise PlanError(f"{blocks} {b.dtype} {list(b.shape)}, {scales} {s.dtype} {list(s.shape)}: MXFP4 stores "
                             f"X_blocks uint8 [experts, out, in/32, 16] and X_scales uint8 [experts, out, in/32] "
                             f"({scheme.describe()}); the checkpoint does not match its config")
-        experts, rows, nb = b.shape[:3]
+        experts, rows, half = view
         logical_name = LOGICAL.format(src)
         logical = replace(t, sources=(logical_name,), rule=replace(t.rule, transposed=False))
-        index[logical_name] = replace(b, name=logical_name, dtype=dtype, shape=(experts, rows, nb * 32), nbytes=0)
-        index[blocks] = replace(b, shape=(experts, rows, nb * 16))
+        index[logical_name] = replace(b, name=logical_name, dtype=dtype, shape=(experts, rows, half * 2), nbytes=0)
+        index[blocks] = replace(b, shape=view)
         out_targets.append(logical)
         packed += [PackedTensor(t.name, t.name, "weight", cuts["weight"], ((logical_name, blocks),)),
                    PackedTensor(with_suffix(t.name, "weight_scale"), t.name, "weight_scale", cuts["weight_scale"],
