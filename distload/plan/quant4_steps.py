@@ -2,7 +2,8 @@
 
     packed (default)  the packed tensors are the final params (vLLM's layout before its post-processing)
     --dequantize      per quantized linear one `dequantize4` step: its packed tensors -> the float weight
-                      [out, in] of the rank's cut, in BF16; the packed tensors are gone
+                      [out, in] of the rank's cut, in BF16; the packed tensors are gone (MXFP4 experts: the
+                      slice is staged unpadded and the BF16 param padded as the packed one, quant4_mxfp4.py)
 """
 
 from __future__ import annotations
