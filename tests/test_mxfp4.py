@@ -24,6 +24,7 @@ from hf_models import checkpoint_tensors, read_config, save_checkpoint
 from layout_oracle import serving_shards
 from spawn import run_ranks
 from test_families import staged_shards
+from test_quant4 import reload_differences, save_sharded_at_tp2
 
 DIMS = dict(intermediate_size=224, num_attention_heads=8, num_key_value_heads=2, head_dim=8)  # 8 heads: tp 8 plans
 
@@ -180,25 +181,10 @@ def test_real_loads_are_exact_on_every_rank(ckpt, world, cases):
     assert not problems, "\n".join(problems[:30])
 
 
-def _save_sharded(path: str, out: str) -> None:
-    import distload
-
-    distload.load(path, tp=2, progress=False, save_sharded=out)
-
-
-def _reload_differences(path: str, out: str, tp: int) -> list[str]:
-    import distload
-
-    direct = distload.load(path, tp=tp, progress=False).params
-    again = distload.load(out, tp=tp, progress=False, reshard=tp != 2).params
-    return [n for n in set(direct) | set(again) if n not in direct or n not in again
-            or direct[n].dtype != again[n].dtype or not torch.equal(direct[n], again[n])]
-
-
 def test_sharded_save_reloads_and_reshards_the_padded_experts(ckpt, tmp_path):
     """Saved at tp 2 (rank 1: 96 of 128 values, padded), reloaded as saved and re-cut for tp 4 (64, 64, 64, 32)."""
     out = str(tmp_path / "sharded")
-    run_ranks(2, _save_sharded, ckpt, out)
+    run_ranks(2, save_sharded_at_tp2, ckpt, out)
     for tp in (2, 4):
-        differences_ = [n for r in run_ranks(tp, _reload_differences, ckpt, out, tp) for n in r]
+        differences_ = [n for r in run_ranks(tp, reload_differences, ckpt, out, tp) for n in r]
         assert not differences_, (tp, sorted(differences_)[:6])
