@@ -72,9 +72,12 @@ def dequantize4(step, finals, *inputs) -> tuple[torch.Tensor]:
     t = dict(zip(step.suffixes, inputs))
     dtype = torch_dtype(finals[0].dtype)
     if len(finals[0].local_shape) == 3:  # experts: each local expert is its own matrix
-        out = torch.empty(finals[0].local_shape, dtype=dtype, device=inputs[0].device)
+        # MXFP4 stages each rank's slice unpadded; the output is vLLM's padded param, zeros past the slice
+        padded = finals[0].padding != ()
+        out = (torch.zeros if padded else torch.empty)(finals[0].local_shape, dtype=dtype, device=inputs[0].device)
         for e in range(out.shape[0]):
-            out[e] = _dequantize_matrix(step, {k: v[e] for k, v in t.items()}, dtype)
+            w = _dequantize_matrix(step, {k: v[e] for k, v in t.items()}, dtype)
+            out[e, :w.shape[0], :w.shape[1]] = w
         return (out,)
     return (_dequantize_matrix(step, t, dtype),)
 
@@ -91,6 +94,9 @@ def _dequantize_matrix(step, t: dict, dtype) -> torch.Tensor:
                                                dtype=dtype)
     elif step.format == "bnb":
         w = _bnb(step, t, dtype)
+    elif step.format == "mxfp4":   # vLLM's w13_weight [rows, in/2] is the blocks [rows, in/32, 16] flattened
+        blocks = t["weight"]
+        w = kernels.dequantize_mxfp4(blocks.reshape(blocks.shape[0], -1, 16), t["weight_scale"], dtype=dtype)
     else:
         w = _nvfp4(step, t, dtype)
     return w

@@ -136,7 +136,7 @@ def _summary(logits: torch.Tensor) -> str:
 
 
 def _judge(path: str, logits: torch.Tensor, input_ids: list[int], tolerance: float, logits_file: str | None,
-           header: str) -> Verdict:
+           header: str, reference: str | None = None) -> Verdict:
     """Rank 0: save, compare with transformers (when installed), print; the verdict for every rank."""
     print(header, flush=True)
     print(f"  distload logits [{logits.shape[0]}, {logits.shape[1]}]: {_summary(logits)}", flush=True)
@@ -147,7 +147,7 @@ def _judge(path: str, logits: torch.Tensor, input_ids: list[int], tolerance: flo
         verdict = Verdict(compared=False, ok=True,
                           message="transformers is not installed: comparison skipped (pip install transformers)")
     else:
-        ref = reference_logits(path, input_ids)
+        ref = reference_logits(reference or path, input_ids)
         if ref.shape != logits.shape:
             raise DistloadError(f"transformers' logits have shape {list(ref.shape)}, distload's {list(logits.shape)}: "
                                 "config.json vocab_size does not match the model transformers built")
@@ -160,8 +160,12 @@ def _judge(path: str, logits: torch.Tensor, input_ids: list[int], tolerance: flo
 
 
 def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance: float = 2e-2,
-           logits_file: str | None = None, options: LoadOptions | None = None, **load_options) -> Verification:
+           logits_file: str | None = None, reference: str | None = None, options: LoadOptions | None = None,
+           **load_options) -> Verification:
     """Load `path`, run the TP forward on every rank, judge on rank 0; the same Verification on every rank.
+
+    reference: the checkpoint transformers computes the reference logits from (default `path`), e.g. the
+    dequantized model of a packed 4-bit checkpoint (verify --dequantize), which transformers cannot load itself.
 
     options (or load_options: keyword arguments as distload.load: tp, ep, readers, config, ...): the load's.
     Collective: every rank of the job calls it.
@@ -197,7 +201,7 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
             return None
         header = (f"distload verify: {path}: {len(input_ids)} tokens, vocab {config['vocab_size']}, "
                   f"world {layout.world} (tp {layout.tp}, ep {layout.ep}), forward in {dtype}")
-        return _judge(path, logits, input_ids, tolerance, logits_file, header)
+        return _judge(path, logits, input_ids, tolerance, logits_file, header, reference)
 
     verdict = broadcast_object(run_phase("compare", judge), src=0)
     return Verification(verdict=verdict, logits=logits, tp=layout.tp, ep=layout.ep)

@@ -82,8 +82,9 @@ def quantization_config(fmt: str) -> dict:
     return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
 
 
-def packed_checkpoint(src: Path, out: Path, fmt: str) -> Path:
-    """Copy checkpoint `src` to `out` with every linear weight quantized to `fmt`, in the same files."""
+def rewritten_checkpoint(src: Path, out: Path, pattern: re.Pattern, replace, quantization: dict) -> Path:
+    """Copy checkpoint `src` to `out`, each tensor whose name matches `pattern` replaced by the tensors
+    replace(name, tensor) returns (in the same file), and quantization_config set in config.json."""
     from safetensors.torch import load_file, save_file
 
     out.mkdir(parents=True)
@@ -91,20 +92,28 @@ def packed_checkpoint(src: Path, out: Path, fmt: str) -> Path:
     for f in sorted(src.glob("*.safetensors")):
         tensors = {}
         for n, w in sorted(load_file(f).items()):
-            if not LINEAR.match(n):
+            if not pattern.match(n):
                 tensors[n] = w
                 continue
             del index["weight_map"][n]
-            for suffix, t in _quantize(fmt, w.double().numpy(), n).items():
-                tensors[n[: -len("weight")] + suffix] = torch.as_tensor(t).contiguous()
+            tensors.update(replace(n, w))
         for n in tensors:
             index["weight_map"][n] = f.name
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt)
+    config["quantization_config"] = quantization
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def packed_checkpoint(src: Path, out: Path, fmt: str) -> Path:
+    """Copy checkpoint `src` to `out` with every linear weight quantized to `fmt`, in the same files."""
+    def quantized(n, w):
+        return {n[: -len("weight")] + suffix: torch.as_tensor(t).contiguous()
+                for suffix, t in _quantize(fmt, w.double().numpy(), n).items()}
+
+    return rewritten_checkpoint(src, out, LINEAR, quantized, quantization_config(fmt))
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -182,3 +191,50 @@ def logical_shape(ckpt: dict, base: str, fmt: str) -> tuple[int, int]:
     rows, cols = ckpt[base + suffix].shape
     sizes = {ra: rows * ru, ca: cols * cu}
     return sizes["out"], sizes["in"]
+
+
+# GPT-OSS MXFP4, as the released checkpoints store the experts: per stacked expert tensor X (HF's [E, in, out])
+# X_blocks uint8 [E, out, in/32, 16] and X_scales uint8 E8M0 [E, out, in/32], rows in X's out order (gate/up
+# interleaved); everything else BF16 as in the source checkpoint.
+MXFP4_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def mxfp4_checkpoint(src: Path, out: Path) -> Path:
+    """Copy GPT-OSS checkpoint `src` to `out` with its stacked experts quantized to MXFP4 by the reference."""
+    def quantized(n, w):
+        per_expert = [ref.mxfp4_quantize(w[e].double().numpy().T) for e in range(w.shape[0])]
+        return {n + suffix: torch.from_numpy(np.stack([q[key] for q in per_expert])).contiguous()
+                for suffix, key in (("_blocks", "blocks"), ("_scales", "scales"))}
+
+    return rewritten_checkpoint(src, out, MXFP4_EXPERTS, quantized, MXFP4_CONFIG)
+
+
+def mxfp4_dequantized(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint in transformers' layout, each X_blocks / X_scales pair replaced by the reference
+    dequantization X [E, in, out] (fp32, exact)."""
+    out = {}
+    for n, t in packed.items():
+        if n.endswith("_scales"):
+            continue
+        if not n.endswith("_blocks"):
+            out[n] = t
+            continue
+        base = n[: -len("_blocks")]
+        full = [ref.mxfp4_dequantize({"blocks": b.numpy(), "scales": s.numpy()}).T
+                for b, s in zip(t, packed[base + "_scales"])]
+        out[base] = torch.from_numpy(np.stack(full).astype(np.float32))
+    return out
+
+
+def write_plain(tensors: dict[str, torch.Tensor], config: dict, out: Path, dtype=torch.float32) -> Path:
+    """A plain (unquantized) checkpoint of `tensors` in `dtype` for transformers: the reference of verify."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    save_file({n: t.to(dtype).contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -354,13 +354,13 @@ def test_packed_4bit_loads_at_tp2(checkpoints):
     assert not problems, "\n".join(problems[:40])
 
 
-def _save_sharded(path: str, out: str) -> None:
+def save_sharded_at_tp2(path: str, out: str) -> None:
     import distload
 
     distload.load(path, tp=2, progress=False, save_sharded=out)
 
 
-def _reload_differences(path: str, out: str, tp: int) -> list[str]:
+def reload_differences(path: str, out: str, tp: int) -> list[str]:
     import distload
 
     direct = distload.load(path, tp=tp, progress=False).params
@@ -372,7 +372,7 @@ def _reload_differences(path: str, out: str, tp: int) -> list[str]:
 @pytest.mark.parametrize("fmt", ["gptq-act", "nvfp4"])
 def test_sharded_save_reloads_and_reshards_packed_tensors(checkpoints, tmp_path, fmt):
     out = str(tmp_path / "sharded")
-    run_ranks(2, _save_sharded, str(checkpoints[fmt]), out)
+    run_ranks(2, save_sharded_at_tp2, str(checkpoints[fmt]), out)
     for tp in (2, 1):   # the same layout, and re-cut for tp 1
-        differences = [n for r in run_ranks(tp, _reload_differences, str(checkpoints[fmt]), out, tp) for n in r]
+        differences = [n for r in run_ranks(tp, reload_differences, str(checkpoints[fmt]), out, tp) for n in r]
         assert not differences, (tp, sorted(differences)[:6])

@@ -58,7 +58,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
         planned[c.name] = quant_layouts.companion_layouts(c, t, *planned[c.weight], tensors, scheme, group,
                                                           lambda q, t=t: relayout(t, tensors, rules, config, q))
     unpacked = quant4_layouts.packed_layouts(planned, logical.packed, by_name, index, packed4, layout.tp,
-                                             lambda n, q: relayout(by_name[n], index, rules, config, q))
+                                             lambda n, q: relayout(by_name[n], index, rules, config, q), dequantize)
     specs = RankSpecs({name: as_rank_values(sp, layout) for name, (sp, _) in planned.items()}, layout.world)
     _add_aliases(specs, tied)
     if packed4:

@@ -78,9 +78,9 @@ def checkpoint_scheme(config: dict) -> Scheme | None:
 
 def is_packed4(qc: dict) -> bool:
     """Whether quantization_config declares a packed 4-bit format (GPTQ, AWQ, compressed-tensors
-    pack-quantized, ModelOpt NVFP4, bitsandbytes 4-bit), which plan/quant4.py plans."""
+    pack-quantized, ModelOpt NVFP4, bitsandbytes 4-bit, MXFP4), which plan/quant4.py plans."""
     method = qc.get("quant_method")
-    return (method in ("gptq", "awq", "modelopt") or (method == "bitsandbytes" and bool(qc.get("load_in_4bit")))
+    return (method in ("gptq", "awq", "modelopt", "mxfp4") or (method == "bitsandbytes" and bool(qc.get("load_in_4bit")))
             or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"))
 
 

@@ -8,6 +8,8 @@ through one table row: which logical axis its rows and its columns run along, an
 one row or column stands for (8 per int32 word, 2 per byte, g per group). The serving params are vLLM's
 before post-processing: `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx` (GPTQ) and so on.
 
+GPT-OSS MXFP4 experts (stacked X_blocks / X_scales in place of a BF16 X) get a logical weight the same way;
+their cut is vLLM's uneven, padded one (quant4_mxfp4.py).
 The formats and their tables are in quant4_formats.py; the cuts in quant4_layouts.py. Which linears are quantized follows the checkpoint (lm_head and `ignore` / `exclude_modules` layers simply
 have a float weight), all parts of one param alike.
 """
@@ -49,6 +51,15 @@ class Logical:
     packed: tuple[PackedTensor, ...]
 
 
+def by_weight(packed, weights=None) -> dict[str, list[PackedTensor]]:
+    """The packed tensors grouped by the logical weight they stand for (only those in `weights`, when given)."""
+    out: dict[str, list[PackedTensor]] = {}
+    for p in packed:
+        if weights is None or p.weight in weights:
+            out.setdefault(p.weight, []).append(p)
+    return out
+
+
 LOGICAL = "{}[logical]"   # a logical weight's name where a packed tensor keeps the name X.weight (NVFP4)
 
 
@@ -56,6 +67,8 @@ def logical_index(targets, tensors: dict, scheme: Packed4 | None, rules, config:
     """Logical weights for the targets whose parts are packed; the checkpoint unchanged for other checkpoints."""
     if scheme is None:
         return Logical(tensors, targets, ())
+    if scheme.name == "mxfp4":
+        return _mxfp4_logical(targets, tensors, scheme)
     marker = next(iter(scheme.cuts(1)))
     quantized = {t.name for t in targets if t.name.endswith("weight") and all(s.endswith(".weight") for s in t.sources)
                  and any(with_suffix(s, marker) in tensors for s in t.sources)}
@@ -94,6 +107,45 @@ def logical_index(targets, tensors: dict, scheme: Packed4 | None, rules, config:
                     index[n] = replace(tensors[n], shape=expected_view(p.cut, *shapes[source_of[v]]))
         packed += found
         out_targets.append(logical)
+    return Logical(index, out_targets, tuple(packed))
+
+
+MXFP4_PARTS = ("_blocks", "_scales")   # how GPT-OSS stores a stacked expert tensor X in MXFP4
+
+
+def _mxfp4_logical(targets, tensors: dict, scheme: Packed4) -> Logical:
+    """GPT-OSS MXFP4: a stacked expert target whose source X is stored as X_blocks [E, out, in/32, 16] and X_scales
+    [E, out, in/32] (not transposed, unlike the BF16 X) plans a logical weight [E, out, in] (0 bytes), and the
+    blocks are read as their [E, out, in/2] view (the same bytes): both then run along out and in like the weight."""
+    index, out_targets, packed = dict(tensors), [], []
+    cuts = scheme.cuts(0)
+    dtype = weight_dtype([t for t in targets if all(s in tensors for s in t.sources)], tensors) or "BF16"
+    for t in targets:
+        src = t.sources[0]
+        blocks, scales = (src + suffix for suffix in MXFP4_PARTS)
+        if not (t.rule.style == "expert" and t.rule.stacked and len(t.sources) == 1 and blocks in tensors):
+            out_targets.append(t)
+            continue
+        if scales not in tensors:
+            raise PlanError(f"{t.name} ({scheme.describe()}): the checkpoint has {blocks} but lacks {scales}; "
+                            f"every MXFP4 tensor has its E8M0 scales: the checkpoint is incomplete")
+        b, s = tensors[blocks], tensors[scales]
+        # [E, out, in/2] too: the same bytes as vLLM's w13_weight, which a sharded save records
+        view = tuple(b.shape[:2]) + (math.prod(b.shape[2:]),) if len(b.shape) in (3, 4) else (0, 0, 1)
+        if ((b.dtype, s.dtype) != ("U8", "U8") or (len(b.shape) == 4 and b.shape[3] != 16) or view[2] % 16
+                or tuple(s.shape) != view[:2] + (view[2] // 16,)):
+            raise PlanError(f"{blocks} {b.dtype} {list(b.shape)}, {scales} {s.dtype} {list(s.shape)}: MXFP4 stores "
+                            f"X_blocks uint8 [experts, out, in/32, 16] and X_scales uint8 [experts, out, in/32] "
+                            f"({scheme.describe()}); the checkpoint does not match its config")
+        experts, rows, half = view
+        logical_name = LOGICAL.format(src)
+        logical = replace(t, sources=(logical_name,), rule=replace(t.rule, transposed=False))
+        index[logical_name] = replace(b, name=logical_name, dtype=dtype, shape=(experts, rows, half * 2), nbytes=0)
+        index[blocks] = replace(b, shape=view)
+        out_targets.append(logical)
+        packed += [PackedTensor(t.name, t.name, "weight", cuts["weight"], ((logical_name, blocks),)),
+                   PackedTensor(with_suffix(t.name, "weight_scale"), t.name, "weight_scale", cuts["weight_scale"],
+                                ((logical_name, scales),))]
     return Logical(index, out_targets, tuple(packed))
 
 

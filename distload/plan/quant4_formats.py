@@ -13,6 +13,8 @@ fp4_format.py define the bit layouts), and which format config.json's quantizati
     bnb           quant_method bitsandbytes, load_in_4bit    weight (out, in/2) and weight.absmax (out, in/64),
                                                              both stored flat; quant_map, nested_absmax,
                                                              nested_quant_map, quant_state (per part)
+    mxfp4         quant_method mxfp4 (GPT-OSS experts)       X_blocks [E, out, in/32, 16] uint8, X_scales [E, out, in/32]
+                                                             E8M0; cut by vLLM's uneven rule (quant4_mxfp4.py)
 bitsandbytes packs the flat row-major weight in 64-value blocks, so with in % 64 == 0 the flat bytes are
 the [out, in/2] matrix and the absmax the [out, in/64] one, and row and column cuts keep whole blocks (what
 no engine does: vLLM and SGLang refuse pre-quantized bitsandbytes at tp > 1). A nested absmax (uint8 codes)
@@ -29,6 +31,7 @@ from .quant import is_packed4
 
 OUT, IN, ONE = "out", "in", "one"
 BNB_BLOCK = 64
+MXFP4_BLOCK = 32
 INT_FLOAT_DTYPES = ("F16", "BF16", "F32")
 
 
@@ -47,7 +50,7 @@ class Cut:
 @dataclass(frozen=True)
 class Packed4:
     """A packed 4-bit checkpoint's format, as config.json's quantization_config declares it."""
-    name: str                        # gptq | awq | ct-int4 | nvfp4
+    name: str                        # gptq | awq | ct-int4 | nvfp4 | bnb | mxfp4
     where: str
     group: int                       # input values per scale group (the whole input: 0)
     desc_act: bool = False           # GPTQ act-order: g_idx is a permutation of the groups
@@ -57,7 +60,7 @@ class Packed4:
     @property
     def unit_name(self) -> str:
         """What one scale covers: a group (int4 formats) or a block (fp4 / bitsandbytes)."""
-        return "block" if self.name in ("nvfp4", "bnb") else "group"
+        return "block" if self.name in ("nvfp4", "bnb", "mxfp4") else "group"
 
     def describe(self) -> str:
         group = f" {self.unit_name} {self.group}" if self.group else ""
@@ -80,6 +83,8 @@ class Packed4:
             return {"weight_packed": Cut((OUT, 1), (IN, 8), i32), "weight_scale": Cut((OUT, 1), (IN, g), scale),
                     "weight_zero_point": Cut((OUT, 8), (IN, g), i32, optional=self.symmetric),
                     "weight_shape": Cut((ONE, 1), (ONE, 1), ("I64", "I32"), optional=True, per_part=True)}
+        if self.name == "mxfp4":  # vLLM's names: X_blocks -> w13_weight, X_scales -> w13_weight_scale
+            return {"weight": Cut((OUT, 1), (IN, 2), ("U8",)), "weight_scale": Cut((OUT, 1), (IN, MXFP4_BLOCK), ("U8",))}
         if self.name == "bnb":
             part = dict(optional=True, per_part=True)
             return {"weight.absmax": Cut((OUT, 1), (IN, BNB_BLOCK), ("F32", "U8"), flat=True),
@@ -121,6 +126,8 @@ def checkpoint_scheme(config: dict) -> Packed4 | None:
             raise PlanError(f"{where}: load_in_4bit {qc.get('load_in_4bit')!r}, bnb_4bit_quant_type {kind!r}; "
                             f"distload loads pre-quantized 4-bit (nf4 / fp4) bitsandbytes checkpoints")
         return Packed4("bnb", where, BNB_BLOCK, quant_type=kind)
+    if method == "mxfp4":
+        return Packed4("mxfp4", where, MXFP4_BLOCK)
     if method == "modelopt":
         body = qc.get("quantization", qc)
         if body.get("quant_algo") != "NVFP4":

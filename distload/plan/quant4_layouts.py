@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 
 from ..errors import PlanError
-from .quant4 import PackedTensor
+from . import quant4_mxfp4
+from .quant4 import PackedTensor, by_weight
 from .quant4_formats import IN, ONE, OUT, Packed4, expected_view
 from .shard import LocalLayout, Piece, valid_group_sizes, view2d
 from .types import ParamSpec
@@ -26,14 +27,13 @@ class _Split(Exception):
 
 
 def packed_layouts(planned: dict, packed: tuple[PackedTensor, ...], targets: dict, index: dict, scheme: Packed4,
-                   group: int, relayout) -> dict:
+                   group: int, relayout, dequantize: bool = False) -> dict:
     """Replace each packed target's logical (specs, layouts) in `planned` by its packed tensors'; return the
     logical ones (what a dequantization step produces). relayout(name, q): the logical ones at tp q."""
-    by_weight: dict[str, list[PackedTensor]] = {}
-    for p in packed:
-        by_weight.setdefault(p.weight, []).append(p)
+    if scheme is not None and scheme.name == "mxfp4":  # vLLM's uneven, padded expert split
+        return quant4_mxfp4.packed_layouts(planned, packed, targets, index, scheme, dequantize)
     logical = {}
-    for weight, tensors in by_weight.items():
+    for weight, tensors in by_weight(packed).items():
         if weight not in planned:
             continue  # not matched (non-strict load): nothing to cut
         specs, lays = logical[weight] = planned.pop(weight)

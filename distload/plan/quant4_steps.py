@@ -2,7 +2,8 @@
 
     packed (default)  the packed tensors are the final params (vLLM's layout before its post-processing)
     --dequantize      per quantized linear one `dequantize4` step: its packed tensors -> the float weight
-                      [out, in] of the rank's cut, in BF16; the packed tensors are gone
+                      [out, in] of the rank's cut, in BF16; the packed tensors are gone (MXFP4 experts: the
+                      slice is staged unpadded and the BF16 param padded as the packed one, quant4_mxfp4.py)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import PlanError
 from .quant import DEQUANTIZED_DTYPE
-from .quant4 import PackedTensor
+from .quant4 import PackedTensor, by_weight
 from .quant4_formats import BNB_BLOCK, Packed4
 
 
@@ -64,13 +65,9 @@ def finalize(staging: list[dict], logical: dict, packed: tuple[PackedTensor, ...
                         f"drop --quantize")
     if not dequantize:
         return staging, [() for _ in staging], scheme.describe()
-    by_weight: dict[str, list[PackedTensor]] = {}
-    for p in packed:
-        if p.weight in logical:
-            by_weight.setdefault(p.weight, []).append(p)
     final = [dict(specs) for specs in staging]
     steps: list[list[Dequant4Step]] = [[] for _ in staging]
-    for weight, tensors in by_weight.items():
+    for weight, tensors in by_weight(packed, logical).items():
         specs, lays = logical[weight]
         target = targets[weight]
         sources = target.sources
