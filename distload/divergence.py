@@ -33,13 +33,12 @@ def first_divergence(ours: dict[int, torch.Tensor], ref: list[torch.Tensor],
             agreed = (k, rel)
             continue
         if k == 0:
-            return None, (f"the embeddings already differ from transformers' (max rel err {rel:.3e}): check the "
-                          "embedding's rule")
+            return None, f"the embeddings already differ from transformers' (max rel err {rel:.3e})"
         what = "final-normed output" if k == n_layers else "output"
-        since = (f", its input agrees (max rel err {agreed[1]:.3e})" if agreed and agreed[0] == k - 1 else "")
+        since = f", while its input agrees to {agreed[1]:.3e}" if agreed and agreed[0] == k - 1 else ""
         return k - 1, (f"hidden states first diverge at layer {k - 1} (its {what}: max rel err {rel:.3e} > "
-                       f"{tolerance:.1e}{since}): check the rules of layer {k - 1}'s params")
+                       f"{tolerance:.1e}{since})")
     if agreed is None:
         return None, "no hidden states to compare"
     return None, (f"hidden states agree with transformers' through the final norm (max rel err <= {tolerance:.1e}): "
-                  "check the lm_head's rule")
+                  "the lm_head or the logit scaling differs")

@@ -221,6 +221,7 @@ def test_wrong_layout_fails_on_every_rank(api_runs):
     verdict = rows[0]["verdict"]
     assert not verdict.ok and verdict.exit_code == 1 and verdict.max_rel > TOL and not verdict.argmax_same, verdict
     assert "FAIL" in verdict.message and "argmax differs" in verdict.message and "near tie" not in verdict.message
+    assert verdict.diverging_layer == 0 and "hidden states first diverge at layer 0" in verdict.message, verdict
 
 
 def test_without_transformers_prints_and_skips(api_runs, reference):

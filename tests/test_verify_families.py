@@ -253,7 +253,7 @@ def test_wrong_wqkv_rule_fails_naming_the_first_diverging_layer(sessions, world)
     assert verdict.compared and not verdict.ok and verdict.exit_code == 1, verdict
     assert verdict.diverging_layer == 0, verdict
     assert "hidden states first diverge at layer 0" in verdict.message, verdict.message
-    assert "its input agrees" in verdict.message, verdict.message
+    assert "while its input agrees" in verdict.message, verdict.message
 
 
 def test_pipeline_stages_match_transformers(sessions):
@@ -275,7 +275,7 @@ def test_first_divergence_names_the_layer():
     assert first_divergence({**ok, 0: ref[0] * 2}, ref, TOL)[0] is None
     assert "embeddings already differ" in first_divergence({**ok, 0: ref[0] * 2}, ref, TOL)[1]
     layer, text = first_divergence({**ok, 2: ref[2] * 2, 3: ref[3] * 2}, ref, TOL)
-    assert layer == 1 and "first diverge at layer 1 (its output" in text and "its input agrees" in text
+    assert layer == 1 and "first diverge at layer 1 (its output" in text and "while its input agrees" in text
     layer, text = first_divergence({**ok, 3: torch.full((2, 3), float("nan"))}, ref, TOL)
     assert layer == 2 and "final-normed output" in text
 
