@@ -295,3 +295,36 @@ def test_torchrun_verify_wrong_rule_names_the_layer(refs, wrong_rules):
     assert "distload verify: FAIL" in proc.stdout and "hidden states first diverge at layer 0" in proc.stdout, \
         proc.stdout + proc.stderr
     assert f"against {refs['internlm2']['reference']}" in proc.stdout
+
+
+def test_gemma3_legacy_rope_spelling(refs):
+    """Older Gemma 3 config.json files: a top-level rope_theta for the full layers and rope_local_base_freq for the
+    sliding ones (1M and 10k here: the wrong base for either layer type changes the logits)."""
+    from distload.models import forward
+
+    r = refs["gemma3"]
+    config = read_config(r["ckpt"])
+    nested = config.pop("rope_parameters")
+    config["rope_theta"] = nested["full_attention"]["rope_theta"]
+    config["rope_local_base_freq"] = nested["sliding_attention"]["rope_theta"]
+    assert config["rope_theta"] != config["rope_local_base_freq"]
+    logits = forward(serving_shards(checkpoint_tensors(r["ckpt"]), config, 0, 1), config, torch.tensor(INPUT_IDS),
+                     tp_rank=0, tp_size=1)
+    assert rel_err(logits, r["logits"]) < TOL_FORWARD
+
+
+def test_refuses_what_the_new_families_do_not_implement(refs):
+    from distload.errors import DistloadError
+    from distload.models import forward
+
+    gpt2 = read_config(refs["gpt2"]["ckpt"])
+    for key, value in (("scale_attn_by_inverse_layer_idx", True), ("scale_attn_weights", False)):
+        with pytest.raises(DistloadError, match=key):
+            forward({}, {**gpt2, key: value}, torch.tensor(INPUT_IDS), tp_rank=0, tp_size=1)
+    with pytest.raises(DistloadError, match="multi_query=false"):
+        standard_config({**read_config(refs["gpt_bigcode"]["ckpt"]), "multi_query": False},
+                        family_of({"model_type": "gpt_bigcode"}))
+    with pytest.raises(DistloadError, match="hidden_activation='relu2'"):
+        gemma = read_config(refs["gemma2"]["ckpt"])
+        forward(serving_shards(checkpoint_tensors(refs["gemma2"]["ckpt"]), gemma, 0, 1),
+                {**gemma, "hidden_activation": "relu2"}, torch.tensor(INPUT_IDS), tp_rank=0, tp_size=1)

@@ -19,12 +19,13 @@ from distload.models.blocks import (attention, causal_mask, dense_mlp, embed, lo
                                     sliding_window)
 from distload.models.family import FAMILIES, Family, family_of, flag, standard_config
 from distload.models.moe import counted_experts, default_expert_ids, sparse_moe
-from distload.models.rope import rope_cos_sin
+from distload.models.rope import apply_rope, rope_cos_sin
 from distload.transfer import all_gather_cat, all_reduce_sum
 from distload.transfer.stage_links import recv_tensor, send_tensor
 
-__all__ = ["FAMILIES", "Family", "attention", "causal_mask", "dense_mlp", "embed", "family_of", "forward",
-           "is_sparse", "local_heads", "rms_norm", "sliding_window"]
+# The pieces are re-exported: the other forwards (models.FORWARDS) build on them from here.
+__all__ = ["FAMILIES", "Family", "apply_rope", "attention", "causal_mask", "dense_mlp", "embed", "family_of",
+           "forward", "is_sparse", "local_heads", "rms_norm", "rope_cos_sin", "sliding_window"]
 
 # config switches this forward does not implement: (key, the value that needs what is missing)
 UNSUPPORTED = (("attention_bias", True), ("mlp_bias", True), ("use_bidirectional_attention", True),
