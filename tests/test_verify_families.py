@@ -94,14 +94,13 @@ def internlm2_as_llama(src: Path, out: Path) -> Path:
     return out
 
 
-def reference_run(path: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """transformers' fp32 logits and hidden states of INPUT_IDS, from the checkpoint on disk."""
+def reference_logits(path: str) -> torch.Tensor:
+    """transformers' fp32 logits of INPUT_IDS, from the checkpoint on disk."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
-        out = model(torch.tensor([INPUT_IDS]), output_hidden_states=True)
-    return out.logits[0], [h[0] for h in out.hidden_states]
+        return model(torch.tensor([INPUT_IDS])).logits[0]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +114,7 @@ def refs(tmp_path_factory) -> dict[str, dict]:
             reference = internlm2_as_llama(ckpt, root / "as-llama")
         else:
             ckpt = reference = save_checkpoint(family, root / "ckpt", **overrides)
-        out[name] = dict(ckpt=str(ckpt), reference=str(reference), logits=reference_run(str(reference))[0])
+        out[name] = dict(ckpt=str(ckpt), reference=str(reference), logits=reference_logits(str(reference)))
     return out
 
 
@@ -328,3 +327,14 @@ def test_refuses_what_the_new_families_do_not_implement(refs):
         gemma = read_config(refs["gemma2"]["ckpt"])
         forward(serving_shards(checkpoint_tensors(refs["gemma2"]["ckpt"]), gemma, 0, 1),
                 {**gemma, "hidden_activation": "relu2"}, torch.tensor(INPUT_IDS), tp_rank=0, tp_size=1)
+
+
+def test_internlm2_reference_is_the_llama_it_was_packed_from(refs):
+    """The converted reference computes what the Llama that save_internlm2_checkpoint packed computes: the
+    unpacking in internlm2_as_llama is right, independently of distload's qkv_packed rule."""
+    from hf_models import build_model
+
+    for name in ("internlm2", "internlm2_mqa"):
+        with torch.no_grad():
+            packed_from = build_model("llama", **VARIANTS[name][1])(torch.tensor([INPUT_IDS])).logits[0]
+        assert rel_err(refs[name]["logits"], packed_from) < 1e-6, name
