@@ -189,6 +189,22 @@ def _pipeline(refs: dict, rank: int) -> list[tuple[str, int, int, float | None, 
     return results
 
 
+def _stages_for_verify(refs: dict, rank: int) -> tuple[float, bool, list[int]]:
+    """models.pipeline.forward_over_stages (what verify --pp runs) at tp 2 x pp 2: logits on every rank, the
+    hidden states of both stages."""
+    from distload.models import forward
+    from distload.models.pipeline import forward_over_stages
+    from distload.plan.stages import pp_layer_range
+
+    r = refs["llama_3layers"]
+    config = read_config(r["ckpt"])
+    layers = pp_layer_range(config["num_hidden_layers"], rank // 2, 2)
+    shards = stage_params(serving_shards(checkpoint_tensors(r["ckpt"]), config, rank % 2, 2), config, layers)
+    logits, hidden = forward_over_stages(forward, shards, config, torch.tensor(INPUT_IDS), rank=rank, tp=2, pp=2,
+                                         layers=layers)
+    return rel_err(logits, r["logits"]), bool(torch.equal(logits.argmax(-1), r["logits"].argmax(-1))), sorted(hidden)
+
+
 def _session(refs: dict, wrong_rules: str) -> dict:
     """On every rank of one world: oracle forwards, real verifies, the wrong rule, and (world 4) stages."""
     import torch.distributed as dist
@@ -206,6 +222,7 @@ def _session(refs: dict, wrong_rules: str) -> dict:
                           reference=refs["internlm2"]["reference"], tp=world, progress=False).verdict
     if world == 4:
         out["pipeline"] = _pipeline(refs, rank)
+        out["stages_for_verify"] = _stages_for_verify(refs, rank)
     return out
 
 
@@ -338,3 +355,11 @@ def test_internlm2_reference_is_the_llama_it_was_packed_from(refs):
         with torch.no_grad():
             packed_from = build_model("llama", **VARIANTS[name][1])(torch.tensor([INPUT_IDS])).logits[0]
         assert rel_err(refs[name]["logits"], packed_from) < 1e-6, name
+
+
+def test_forward_over_stages_shares_logits_and_hidden_states(sessions):
+    """What verify --pp runs: every rank gets the last stage's logits and both stages' hidden states (3 layers:
+    embeddings, layers 0 and 1 on stage 0, the final-normed output on stage 1)."""
+    for rank, s in enumerate(sessions(4)):
+        rel, same, keys = s["stages_for_verify"]
+        assert rel < TOL_FORWARD and same and keys == [0, 1, 2, 3], (rank, rel, same, keys)
