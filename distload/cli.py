@@ -147,7 +147,7 @@ def cmd_verify(args) -> int:
     from .verify import parse_input_ids, verify
 
     return verify(args.path, input_ids=parse_input_ids(args.input_ids), dtype=args.dtype, tolerance=args.tolerance,
-                  logits_file=args.save_logits, options=options).verdict.exit_code
+                  logits_file=args.save_logits, reference=args.reference, options=options).verdict.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-logits", default=None, metavar="FILE",
                    help="write distload's logits [tokens, vocab] float32 as tensor 'logits' to a safetensors FILE")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype of the forward")
+    p.add_argument("--reference", default=None, metavar="DIR",
+                   help="the checkpoint transformers runs for the comparison (default: PATH); the same weights in an "
+                   "architecture transformers builds offline, e.g. InternLM2 converted to Llama")
     p.add_argument("--tolerance", type=float, default=2e-2,
                    help="fail above this max |distload - transformers| / max |transformers| (or if argmax differs)")
     p.set_defaults(fn=cmd_verify)

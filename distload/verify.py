@@ -3,8 +3,10 @@
 Byte-equal shards prove only that we cut the way we think we cut; a layout that is *consistently* wrong (kv
 head replication, fused qkv order, interleaved parts) shows up as wrong logits. So: load with distload, run
 distload.models.forward over the shards this rank holds (it never re-reads the checkpoint), and on rank 0
-compare with `AutoModelForCausalLM.from_pretrained` of the same checkpoint in float32 on the CPU. The verdict
-is broadcast, so every rank returns the same exit code.
+compare with `AutoModelForCausalLM.from_pretrained` of the same checkpoint (or of `--reference`, the same
+weights in an architecture transformers can build) in float32 on the CPU. The verdict is broadcast, so every
+rank returns the same exit code. On failure the per-layer hidden states of both sides name the first layer
+where they diverge (distload/divergence.py).
 
 Error measure: max |ours - ref| / max |ref| over all logits (an elementwise ratio explodes on logits near
 zero and says nothing about the output); plus whether the argmax token of every position agrees.
@@ -13,12 +15,14 @@ zero and says nothing about the output); plus whether the argmax token of every 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass, field
 
 import torch
 
 from . import topology
+from .divergence import first_divergence
 from .errors import DistloadError
 from .loader import run_load
 from .models import forward_for
@@ -38,6 +42,7 @@ class Verdict:
     max_rel: float | None = None
     argmax_same: bool | None = None
     message: str = ""
+    diverging_layer: int | None = None  # on failure: the first layer whose hidden states differ (None: not found)
 
     @property
     def exit_code(self) -> int:
@@ -80,13 +85,16 @@ def local_expert_ids(specs: dict) -> list[int] | None:
     return list(hosted.pop())
 
 
-def compare(logits: torch.Tensor, ref: torch.Tensor, tolerance: float) -> Verdict:
-    """max abs / max rel (over max |ref|) error and argmax agreement; NaN never passes."""
+def compare(logits: torch.Tensor, ref: torch.Tensor, tolerance: float,
+            hidden: tuple[dict, list] | None = None) -> Verdict:
+    """max abs / max rel (over max |ref|) error and argmax agreement; NaN never passes. On failure, `hidden`
+    (the forward's hidden states, transformers') names the first layer where they diverge."""
     diff = (logits.float() - ref.float()).abs().max().item()
     scale = ref.abs().max().item()
     rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
     same = bool(torch.equal(logits.argmax(-1), ref.argmax(-1)))
     ok = rel <= tolerance and same  # False for NaN
+    layer = None
     if ok:
         message = f"OK: max rel err {rel:.3e} <= tolerance {tolerance:.1e}, argmax tokens agree"
     else:
@@ -101,23 +109,31 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, tolerance: float) -> Verdic
             why.append(f"argmax differs at positions {where.tolist()} (transformers' logit for its token exceeds "
                        f"its logit for ours by up to {gap:.3e}; max abs err {diff:.3e}"
                        + (": a near tie)" if near_tie else ")"))
+        if hidden is not None and hidden[0] and hidden[1]:
+            layer, sentence = first_divergence(*hidden, tolerance)
+            why.append(sentence)
         message = ("FAIL: " + "; ".join(why) + ": the loaded shards do not compute the checkpoint's model (check the "
                    "rules file: part order of fused params, kv head replication, per-part splits; and the expert "
                    "placement)")
-    return Verdict(compared=True, ok=ok, max_abs=diff, max_rel=rel, argmax_same=same, message=message)
+    return Verdict(compared=True, ok=ok, max_abs=diff, max_rel=rel, argmax_same=same, message=message,
+                   diverging_layer=layer)
 
 
-def reference_logits(path: str, input_ids: list[int]) -> torch.Tensor:
-    """transformers' float32 logits [tokens, vocab] for one sequence, from the checkpoint on disk (offline)."""
+def reference_outputs(path: str, input_ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers' float32 logits [tokens, vocab] for one sequence, and its hidden states (each [tokens, hidden],
+    output_hidden_states' numbering), from the checkpoint on disk (offline)."""
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KeyError) as exc:
         raise DistloadError(f"transformers cannot load {path} ({type(exc).__name__}: {exc}); verify compares against "
-                            "a Hugging Face checkpoint directory (config.json + weights)") from exc
+                            "a Hugging Face checkpoint directory (config.json + weights) transformers builds offline; "
+                            "for an architecture it cannot build, pass --reference DIR: the same weights as one it "
+                            "can (e.g. InternLM2 converted to Llama)") from exc
     with torch.no_grad():
-        return model(torch.tensor([input_ids])).logits[0].float()
+        out = model(torch.tensor([input_ids]), output_hidden_states=True)
+    return out.logits[0].float(), [h[0].float() for h in (out.hidden_states or ())]
 
 
 def save_logits(path: str, logits: torch.Tensor, input_ids: list[int], source: str) -> None:
@@ -135,8 +151,8 @@ def _summary(logits: torch.Tensor) -> str:
             f"argmax {logits.argmax(-1).tolist()}")
 
 
-def _judge(path: str, logits: torch.Tensor, input_ids: list[int], tolerance: float, logits_file: str | None,
-           header: str, reference: str | None = None) -> Verdict:
+def _judge(path: str, reference: str, logits: torch.Tensor, hidden: dict | None, input_ids: list[int],
+           tolerance: float, logits_file: str | None, header: str) -> Verdict:
     """Rank 0: save, compare with transformers (when installed), print; the verdict for every rank."""
     print(header, flush=True)
     print(f"  distload logits [{logits.shape[0]}, {logits.shape[1]}]: {_summary(logits)}", flush=True)
@@ -147,12 +163,13 @@ def _judge(path: str, logits: torch.Tensor, input_ids: list[int], tolerance: flo
         verdict = Verdict(compared=False, ok=True,
                           message="transformers is not installed: comparison skipped (pip install transformers)")
     else:
-        ref = reference_logits(reference or path, input_ids)
+        ref, ref_hidden = reference_outputs(reference, input_ids)
         if ref.shape != logits.shape:
             raise DistloadError(f"transformers' logits have shape {list(ref.shape)}, distload's {list(logits.shape)}: "
                                 "config.json vocab_size does not match the model transformers built")
         print(f"  transformers logits: {_summary(ref)}", flush=True)
-        verdict = compare(logits.cpu(), ref, tolerance)
+        ours = {k: h.cpu() for k, h in hidden.items()} if hidden else None
+        verdict = compare(logits.cpu(), ref, tolerance, hidden=(ours, ref_hidden) if ours else None)
         print(f"  max abs err {verdict.max_abs:.3e}, max rel err {verdict.max_rel:.3e} "
               f"(max |distload - transformers| / max |transformers|), argmax same: {verdict.argmax_same}", flush=True)
     print(f"distload verify: {verdict.message}", flush=True)
@@ -164,9 +181,8 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
            **load_options) -> Verification:
     """Load `path`, run the TP forward on every rank, judge on rank 0; the same Verification on every rank.
 
-    reference: the checkpoint transformers computes the reference logits from (default `path`), e.g. the
-    dequantized model of a packed 4-bit checkpoint (verify --dequantize), which transformers cannot load itself.
-
+    reference: the checkpoint transformers runs for the comparison (default `path`): the same model in an
+    architecture transformers builds offline, for one it cannot (InternLM2's remote code).
     options (or load_options: keyword arguments as distload.load: tp, ep, readers, config, ...): the load's.
     Collective: every rank of the job calls it.
     """
@@ -191,17 +207,22 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
                                 f"(config.json vocab_size={vocab}); use ids in 0..{vocab - 1}")
         device = next(iter(result.params.values())).device
         run = forward_for(config)
-        return run(result.params, config, torch.tensor(input_ids, device=device), tp_rank=layout.tp_rank(rank),
-                   tp_size=layout.tp, local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep, dtype=torch_dt)
+        # The residual stream is whole on every rank after each all-reduce: rank 0's record is the model's.
+        hidden = {} if "hidden_states" in inspect.signature(run).parameters else None
+        logits = run(result.params, config, torch.tensor(input_ids, device=device), tp_rank=layout.tp_rank(rank),
+                     tp_size=layout.tp, local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep,
+                     dtype=torch_dt, **({} if hidden is None else {"hidden_states": hidden}))
+        return logits, hidden
 
-    logits = run_phase("forward", run_forward)
+    logits, hidden = run_phase("forward", run_forward)
 
     def judge():
         if rank != 0:
             return None
+        against = "" if reference in (None, path) else f", against {reference}"
         header = (f"distload verify: {path}: {len(input_ids)} tokens, vocab {config['vocab_size']}, "
-                  f"world {layout.world} (tp {layout.tp}, ep {layout.ep}), forward in {dtype}")
-        return _judge(path, logits, input_ids, tolerance, logits_file, header, reference)
+                  f"world {layout.world} (tp {layout.tp}, ep {layout.ep}), forward in {dtype}{against}")
+        return _judge(path, reference or path, logits, hidden, input_ids, tolerance, logits_file, header)
 
     verdict = broadcast_object(run_phase("compare", judge), src=0)
     return Verification(verdict=verdict, logits=logits, tp=layout.tp, ep=layout.ep)

@@ -221,6 +221,7 @@ def test_wrong_layout_fails_on_every_rank(api_runs):
     verdict = rows[0]["verdict"]
     assert not verdict.ok and verdict.exit_code == 1 and verdict.max_rel > TOL and not verdict.argmax_same, verdict
     assert "FAIL" in verdict.message and "argmax differs" in verdict.message and "near tie" not in verdict.message
+    assert verdict.diverging_layer == 0 and "hidden states first diverge at layer 0" in verdict.message, verdict
 
 
 def test_without_transformers_prints_and_skips(api_runs, reference):
@@ -243,7 +244,7 @@ def test_tp_below_world_refused_on_every_rank(api_runs):
 # The CLI through real torchrun
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+def torchrun_verify(nproc: int, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "distload", "verify", *args, "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -273,7 +274,7 @@ def test_torchrun_verify(checkpoints, reference, tmp_path, family, tp, ep):
     if missing_rules(family):
         pytest.skip(missing_rules(family))
     logits_file = tmp_path / "logits.safetensors"
-    proc = _torchrun(tp, checkpoints[family], "--tp", str(tp), "--ep", str(ep), "--input-ids", TOKENS,
+    proc = torchrun_verify(tp, checkpoints[family], "--tp", str(tp), "--ep", str(ep), "--input-ids", TOKENS,
                      "--save-logits", str(logits_file))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rel, same = _printed_errors(proc.stdout)
@@ -285,7 +286,7 @@ def test_torchrun_verify(checkpoints, reference, tmp_path, family, tp, ep):
 
 
 def test_torchrun_verify_wrong_layout_exits_nonzero(checkpoints, swapped_rules):
-    proc = _torchrun(2, checkpoints["llama"], "--tp", "2", "--input-ids", TOKENS, "--config", swapped_rules)
+    proc = torchrun_verify(2, checkpoints["llama"], "--tp", "2", "--input-ids", TOKENS, "--config", swapped_rules)
     assert proc.returncode != 0, proc.stdout
     rel, same = _printed_errors(proc.stdout)
     assert rel > TOL and not same, proc.stdout

@@ -2,149 +2,42 @@
 
 A loaded shard set is right when this forward, run on every rank, gives transformers' logits. It is plain
 eager torch (one sequence, no KV cache, no batching) and reads nothing but the local params and the
-config.json dict. Collectives go through distload.transfer only: one all-reduce after each row-parallel
-layer (o_proj, down_proj, the MoE block) and after the vocab-parallel embedding, one all-gather of the
-logits. It runs unchanged on CPU/gloo and CUDA/NCCL: everything lives on the device of the params.
+config.json dict. One decoder loop serves every family: what differs is the family's row (family.py), the
+pieces are blocks.py's. Collectives go through distload.transfer only: one all-reduce after each
+row-parallel layer (o_proj, down_proj, the MoE block) and after the vocab-parallel embedding, one all-gather
+of the logits; with pipeline stages, one send of the hidden states from each stage to the next.
+It runs unchanged on CPU/gloo and CUDA/NCCL: everything lives on the device of the params.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from distload.errors import DistloadError
-from distload.models.moe import counted_experts, default_expert_ids, sparse_moe, swiglu
+from distload.models.blocks import (attention, causal_mask, dense_mlp, embed, local_heads, norm, rms_norm,
+                                    sliding_window)
+from distload.models.family import FAMILIES, Family, family_of, flag, standard_config
+from distload.models.moe import counted_experts, default_expert_ids, sparse_moe
 from distload.models.rope import apply_rope, rope_cos_sin
 from distload.transfer import all_gather_cat, all_reduce_sum
+from distload.transfer.stage_links import recv_tensor, send_tensor
 
+# The pieces are re-exported: the other forwards (models.FORWARDS) build on them from here.
+__all__ = ["FAMILIES", "Family", "apply_rope", "attention", "causal_mask", "dense_mlp", "embed", "family_of",
+           "forward", "is_sparse", "local_heads", "rms_norm", "rope_cos_sin", "sliding_window"]
 
-@dataclass(frozen=True)
-class Family:
-    """How one architecture differs from Llama. A flag is a constant or (config key, default when absent)."""
-
-    architecture: str
-    qkv_bias: bool | tuple[str, bool] = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
-    moe_prefix: str | None = None  # where a sparse layer's MoE block lives, after "model.layers.{i}."
-    norm_topk: bool | tuple[str, bool] = False  # renormalise the top-k router weights to sum to 1
-    shared_expert: bool = False  # Qwen2-MoE: a sigmoid-gated dense expert next to the routed ones
-    rope_aliases: tuple[tuple[str, str], ...] = ()  # legacy rope type names
-
-
-# model_type -> Family: the one place that knows architectures (gpt-fast tp.py style: a row, not a class).
-FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM"),
-    "mistral": Family("MistralForCausalLM"),
-    "phi3": Family("Phi3ForCausalLM", rope_aliases=(("su", "longrope"), ("yarn", "longrope"))),
-    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True),
-    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
-    "mixtral": Family("MixtralForCausalLM", moe_prefix="block_sparse_moe.", norm_topk=True),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias=("qkv_bias", True), moe_prefix="mlp.",
-                        norm_topk=("norm_topk_prob", False), shared_expert=True),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, moe_prefix="mlp.", norm_topk=("norm_topk_prob", False)),
-}
-
-
-def family_of(config: dict) -> Family:
-    """The table row for this config.json: by model_type, else by its architectures entry."""
-    if config.get("model_type") in FAMILIES:
-        return FAMILIES[config["model_type"]]
-    for family in FAMILIES.values():
-        if family.architecture in (config.get("architectures") or ()):
-            return family
-    raise DistloadError(f"model_type {config.get('model_type')!r} / architectures {config.get('architectures')} "
-                        f"is not supported by the reference forward (supported: {', '.join(sorted(FAMILIES))})")
-
-
-def _flag(config: dict, flag: bool | tuple[str, bool]) -> bool:
-    return flag if isinstance(flag, bool) else bool(config.get(flag[0], flag[1]))
+# config switches this forward does not implement: (key, the value that needs what is missing)
+UNSUPPORTED = (("attention_bias", True), ("mlp_bias", True), ("use_bidirectional_attention", True),
+               ("scale_attn_by_inverse_layer_idx", True), ("scale_attn_weights", False),
+               ("add_cross_attention", True))
 
 
 def _check_supported(config: dict) -> None:
-    """Config switches this forward does not implement: refuse rather than return wrong logits."""
-    if config.get("hidden_act", "silu") != "silu":
-        raise DistloadError(f"hidden_act={config['hidden_act']!r}: the reference forward implements SwiGLU (silu) only")
-    for key in ("attention_bias", "mlp_bias"):  # Llama's switches: they add o_proj / MLP biases too
-        if config.get(key):
-            raise DistloadError(f"{key}=true is not supported by the reference forward")
-
-
-def local_heads(config: dict, tp_size: int) -> tuple[int, int, int]:
-    """(q heads, kv heads, head_dim) on one rank. kv heads: Hkv/tp, or one replicated head when tp > Hkv."""
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
-    if n_heads % tp_size or (n_kv % tp_size if tp_size <= n_kv else tp_size % n_kv):
-        raise DistloadError(f"num_attention_heads={n_heads}, num_key_value_heads={n_kv}, tp={tp_size}: tp must "
-                            "divide the heads, and divide the kv heads or be a multiple of them")
-    return n_heads // tp_size, max(n_kv // tp_size, 1), head_dim
-
-
-def sliding_window(config: dict, layer: int) -> int | None:
-    """The layer's attention window, as transformers decides it: `layer_types` names the sliding layers
-    where present (Qwen2/3); otherwise one window for every layer (Mistral, Mixtral, Phi-3), off when
-    sliding_window is null or use_sliding_window is false."""
-    if config.get("layer_types"):
-        return config.get("sliding_window") if config["layer_types"][layer] == "sliding_attention" else None
-    return config.get("sliding_window") if config.get("use_sliding_window", True) else None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, then back to x's dtype before the weight (as transformers)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.to(x.dtype) * x32.to(x.dtype)
-
-
-def embed(weight: torch.Tensor, ids: torch.Tensor, tp_rank: int, dtype, group=None) -> torch.Tensor:
-    """Vocab-parallel lookup: a rank holds rows [r*n, (r+1)*n); it looks up the ids it owns, zeros the
-    others, and the sum over ranks is the full lookup."""
-    rows = weight.shape[0]
-    local = ids - tp_rank * rows
-    mine = (local >= 0) & (local < rows)
-    x = weight[local.clamp(0, rows - 1)].to(dtype) * mine[:, None].to(dtype)
-    return all_reduce_sum(x.contiguous(), group)
-
-
-def causal_mask(seq_len: int, window: int | None, device) -> torch.Tensor:
-    """True where query i may attend key j: j <= i, and i - j < window for sliding layers."""
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
-    return (j <= i) & (j > i - window) if window is not None else j <= i
-
-
-def attention(params: dict, prefix: str, x: torch.Tensor, config: dict, family: Family, tp_size: int,
-              cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
-    """Column-parallel qkv (this rank's heads), local causal GQA, row-parallel o_proj + all-reduce."""
-    n_q, n_kv, d = local_heads(config, tp_size)
-    T = x.shape[0]
-    w = params[prefix + "qkv_proj.weight"]
-    if w.shape[0] != (n_q + 2 * n_kv) * d:
-        raise DistloadError(f"{prefix}qkv_proj.weight has {w.shape[0]} rows; tp={tp_size} expects "
-                            f"({n_q} q + 2 * {n_kv} kv heads) * head_dim {d} = {(n_q + 2 * n_kv) * d}")
-    bias = params[prefix + "qkv_proj.bias"].to(x.dtype) if _flag(config, family.qkv_bias) else None
-    q, k, v = F.linear(x, w.to(x.dtype), bias).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-    q, k, v = (t.view(T, -1, d).transpose(0, 1) for t in (q, k, v))  # [heads, T, d]
-    if family.qk_norm:
-        q = rms_norm(q, params[prefix + "q_norm.weight"], config["rms_norm_eps"])
-        k = rms_norm(k, params[prefix + "k_norm.weight"], config["rms_norm_eps"])
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    # Local q heads are consecutive and share kv heads in order, so repeating each kv head n_q/n_kv times
-    # lines them up (also when the single local kv head is a replica).
-    k, v = k.repeat_interleave(n_q // n_kv, dim=0), v.repeat_interleave(n_q // n_kv, dim=0)
-    scores = (q @ k.transpose(-1, -2)) * (d ** -0.5)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = (probs @ v).transpose(0, 1).reshape(T, n_q * d)
-    return all_reduce_sum(F.linear(out, params[prefix + "o_proj.weight"].to(x.dtype)).contiguous(), group)
-
-
-def dense_mlp(params: dict, prefix: str, x: torch.Tensor, group=None) -> torch.Tensor:
-    """Merged column-parallel gate_up, row-parallel down + all-reduce."""
-    partial = swiglu(x, params[prefix + "gate_up_proj.weight"], params[prefix + "down_proj.weight"])
-    return all_reduce_sum(partial.contiguous(), group)
+    """Refuse rather than return wrong logits."""
+    for key, value in UNSUPPORTED:
+        if key in config and bool(config[key]) == value:
+            raise DistloadError(f"{key}={str(value).lower()} is not supported by the reference forward")
 
 
 def is_sparse(config: dict, family: Family, layer: int) -> bool:
@@ -153,9 +46,82 @@ def is_sparse(config: dict, family: Family, layer: int) -> bool:
             and (layer + 1) % config.get("decoder_sparse_step", 1) == 0)
 
 
+def _moe_setup(config: dict, family: Family, local_expert_ids, tp_rank: int, tp_size: int, ep_size: int, device,
+               group) -> dict | None:
+    """sparse_moe's keyword arguments (collective: every rank of the group calls it), or None without MoE."""
+    if not any(is_sparse(config, family, i) for i in range(config["num_hidden_layers"])):
+        return None
+    n_experts = config.get("num_local_experts") or config["num_experts"]
+    if local_expert_ids is None:
+        local_expert_ids = default_expert_ids(n_experts, tp_rank, tp_size, ep_size)
+    if list(local_expert_ids) != sorted(set(local_expert_ids)):
+        raise DistloadError(f"local_expert_ids {local_expert_ids} must be ascending and distinct: "
+                            "w13_weight/w2_weight hold the local experts in ascending global id")
+    return dict(local_expert_ids=local_expert_ids, top_k=config["num_experts_per_tok"],
+                norm_topk=flag(config, family.norm_topk), shared_expert=family.shared_expert,
+                counted=counted_experts(local_expert_ids, n_experts, tp_rank=tp_rank, tp_size=tp_size,
+                                        ep_size=ep_size, device=device, group=group))
+
+
+def decoder_layer(params: dict, i: int, x: torch.Tensor, config: dict, family: Family, tp_size: int, rope: dict,
+                  mask: torch.Tensor, moe: dict | None, group=None) -> torch.Tensor:
+    """Layer i on the residual stream x `[T, H]` (replicated on every rank of the group)."""
+    names, eps = family.names, config[family.eps_key]
+    layer = names.layer.format(i)
+    cos, sin = rope.get(config["layer_types"][i] if config.get("layer_types") else None, (None, None))
+
+    def normed(slot: str | None, h: torch.Tensor) -> torch.Tensor:
+        return norm(family.norm, h, params, layer + slot, eps) if slot else h
+
+    def mlp(h: torch.Tensor) -> torch.Tensor:
+        if is_sparse(config, family, i):
+            # Routed experts and the shared expert are all partial sums: one all-reduce for the block.
+            return all_reduce_sum(sparse_moe(params, layer + family.moe_prefix, h, **moe).contiguous(), group)
+        return dense_mlp(params, layer + names.mlp, h, group, family, config)
+
+    scale = config["residual_multiplier"] if family.multipliers else None
+    h = normed(names.pre_attn_norm, x)
+    a = attention(params, layer + names.attn, h, config, family, tp_size, cos, sin, mask, group)
+    if family.parallel_block:
+        return x + a + mlp(h)
+    a = normed(names.post_attn_norm, a)
+    x = x + (a * scale if scale is not None else a)
+    m = normed(names.post_mlp_norm, mlp(normed(names.pre_mlp_norm, x)))
+    return x + (m * scale if scale is not None else m)
+
+
+def _embeddings(params: dict, ids: torch.Tensor, config: dict, family: Family, tp_rank: int, dtype,
+                group) -> torch.Tensor:
+    """The first stage's input to layer 0: token (+ learned position) embeddings, scaled as the family does."""
+    x = embed(params[family.names.embed], ids, tp_rank, dtype, group)
+    if family.names.positions:
+        x = x + params[family.names.positions][: ids.shape[0]].to(dtype)
+    if family.scaled_embedding:
+        x = x * torch.tensor(config["hidden_size"] ** 0.5, dtype=dtype)
+    if family.multipliers:
+        x = x * config["embedding_multiplier"]
+    return x
+
+
+def _logits(params: dict, x: torch.Tensor, config: dict, family: Family, dtype, group) -> torch.Tensor:
+    """The last stage's head on the final-normed x: vocab-parallel lm_head, gathered, family's logit scaling."""
+    # Tied: lm_head is the embedding (a loader may alias it or leave it out).
+    lm_head = (params.get(family.names.lm_head, params.get(family.names.embed)) if config.get("tie_word_embeddings")
+               else params[family.names.lm_head])
+    logits = all_gather_cat(F.linear(x, lm_head.to(dtype)).float().contiguous(), dim=1, group=group)
+    logits = logits[:, : config["vocab_size"]]  # drop the zero rows that pad the vocab to a multiple of lcm(64, tp)
+    if family.multipliers:
+        logits = logits / config["logits_scaling"]
+    if family.logit_scale:
+        logits = logits * config["logit_scale"]
+    cap = config.get("final_logit_softcapping") if family.softcap else None
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def forward(params: dict[str, torch.Tensor], config: dict, input_ids: torch.Tensor, *, tp_rank: int, tp_size: int,
-            local_expert_ids: list[int] | None = None, ep_size: int = 1, dtype=torch.float32,
-            group=None) -> torch.Tensor:
+            local_expert_ids: list[int] | None = None, ep_size: int = 1, dtype=torch.float32, group=None,
+            layers: range | None = None, prev_rank: int | None = None, next_rank: int | None = None,
+            hidden_states: dict | None = None) -> torch.Tensor | None:
     """Logits float32 `[T, vocab_size]` of one sequence `input_ids [T]`, identical on every rank.
 
     params: this rank's serving-layout tensors (name -> local tensor); config: the config.json dict.
@@ -164,50 +130,48 @@ def forward(params: dict[str, torch.Tensor], config: dict, input_ids: torch.Tens
     rank hosts, ascending, the same for every layer (default: the contiguous placement); an expert hosted
     by several groups (EPLB replica) is counted once, by the first group hosting it. Collective: every
     rank of the group must call it.
+
+    Pipeline stages: `layers` (default all) are the ones this stage runs; a stage that does not start at
+    layer 0 receives its input `[T, H]` from global rank `prev_rank`, one that does not end at the last layer
+    sends its output to `next_rank` and returns None (only the last stage norms and computes logits); `group`
+    is then the stage's TP group (the default, the world, would mix the stages' reductions).
+    hidden_states: when a dict, filled as transformers' output_hidden_states numbers them: key 0 the
+    embeddings, key i + 1 layer i's output, key num_hidden_layers the final-normed output (this stage's only).
     """
     family = family_of(config)
+    config = standard_config(config, family)
     _check_supported(config)
-    eps = config["rms_norm_eps"]
-    embed_weight = params["model.embed_tokens.weight"]
-    device = embed_weight.device
+    n_layers = config["num_hidden_layers"]
+    layers = range(n_layers) if layers is None else layers
+    device = next(iter(params.values())).device
     ids = input_ids.to(device)
     T = ids.shape[0]
+    record = hidden_states if hidden_states is not None else {}
 
-    x = embed(embed_weight, ids, tp_rank, dtype, group)
     _, _, head_dim = local_heads(config, tp_size)
-    cos, sin = rope_cos_sin(config, head_dim, T, device, dtype, dict(family.rope_aliases))
+    rope = {}  # layer type (None: one for all layers) -> cos, sin
+    if not family.names.positions:
+        for kind in sorted(set(config.get("layer_types") or [None]), key=str):
+            rope[kind] = rope_cos_sin(config, head_dim, T, device, dtype, dict(family.rope_aliases), kind,
+                                      family.rope_interleaved)
     masks = {}  # window -> mask, built once per distinct window
+    moe = _moe_setup(config, family, local_expert_ids, tp_rank, tp_size, ep_size, device, group)
 
-    moe = None
-    if any(is_sparse(config, family, i) for i in range(config["num_hidden_layers"])):
-        n_experts = config.get("num_local_experts") or config["num_experts"]
-        if local_expert_ids is None:
-            local_expert_ids = default_expert_ids(n_experts, tp_rank, tp_size, ep_size)
-        if list(local_expert_ids) != sorted(set(local_expert_ids)):
-            raise DistloadError(f"local_expert_ids {local_expert_ids} must be ascending and distinct: "
-                                "w13_weight/w2_weight hold the local experts in ascending global id")
-        moe = dict(local_expert_ids=local_expert_ids, top_k=config["num_experts_per_tok"],
-                   norm_topk=_flag(config, family.norm_topk), shared_expert=family.shared_expert,
-                   counted=counted_experts(local_expert_ids, n_experts, tp_rank=tp_rank, tp_size=tp_size,
-                                           ep_size=ep_size, device=device, group=group))
-
-    for i in range(config["num_hidden_layers"]):
-        layer = f"model.layers.{i}."
+    if layers.start == 0:
+        x = _embeddings(params, ids, config, family, tp_rank, dtype, group)
+        record[0] = x
+    else:
+        x = recv_tensor((T, config["hidden_size"]), dtype, device, prev_rank)
+    for i in layers:
         window = sliding_window(config, i)
         if window not in masks:
             masks[window] = causal_mask(T, window, device)
-        h = rms_norm(x, params[layer + "input_layernorm.weight"], eps)
-        x = x + attention(params, layer + "self_attn.", h, config, family, tp_size, cos, sin, masks[window], group)
-        h = rms_norm(x, params[layer + "post_attention_layernorm.weight"], eps)
-        if is_sparse(config, family, i):
-            # Routed experts and the shared expert are all partial sums: one all-reduce for the block.
-            x = x + all_reduce_sum(sparse_moe(params, layer + family.moe_prefix, h, **moe).contiguous(), group)
-        else:
-            x = x + dense_mlp(params, layer + "mlp.", h, group)
-
-    x = rms_norm(x, params["model.norm.weight"], eps)
-    # Tied: lm_head is the embedding (a loader may alias it or leave it out).
-    lm_head = (params.get("lm_head.weight", embed_weight) if config.get("tie_word_embeddings")
-               else params["lm_head.weight"])
-    logits = all_gather_cat(F.linear(x, lm_head.to(dtype)).float().contiguous(), dim=1, group=group)
-    return logits[:, : config["vocab_size"]]  # drop the zero rows that pad the vocab to a multiple of lcm(64, tp)
+        x = decoder_layer(params, i, x, config, family, tp_size, rope, masks[window], moe, group)
+        if i + 1 < n_layers:
+            record[i + 1] = x
+    if layers.stop < n_layers:
+        send_tensor(x.contiguous(), next_rank)
+        return None
+    x = norm(family.norm, x, params, family.names.final_norm, config[family.eps_key])
+    record[n_layers] = x
+    return _logits(params, x, config, family, dtype, group)

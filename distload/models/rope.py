@@ -15,18 +15,23 @@ import torch
 from distload.errors import DistloadError
 
 
-def rope_parameters(config: dict, aliases: dict[str, str] | None = None) -> dict:
+def rope_parameters(config: dict, aliases: dict[str, str] | None = None, layer_type: str | None = None) -> dict:
     """The rope dict wherever this config.json keeps it, with `rope_type`, `rope_theta` and
     `partial_rotary_factor` filled in.
 
-    transformers >= 5 writes `rope_parameters` with `rope_theta` inside; older files write `rope_scaling`
-    (or null) next to a top-level `rope_theta`, and call the type `type`. `aliases` renames legacy types
-    (Phi-3 saved LongRoPE as "su" or "yarn").
+    transformers >= 5 writes `rope_parameters` with `rope_theta` inside, nested by layer type where layer types
+    differ (Gemma 3: {"sliding_attention": ..., "full_attention": ...}); older files write `rope_scaling` (or
+    null) next to a top-level `rope_theta`, and call the type `type`, and Gemma 3 kept its sliding layers' base
+    as `rope_local_base_freq`. `aliases` renames legacy types (Phi-3 saved LongRoPE as "su" or "yarn").
     """
     rp = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     if set(rp) & set(config.get("layer_types") or ()):
-        raise DistloadError(f"rope_parameters nested by layer type ({sorted(rp)}) are not supported by the "
-                            "reference forward")
+        if layer_type not in rp:
+            raise DistloadError(f"rope_parameters are nested by layer type ({sorted(rp)}) but layer type "
+                                f"{layer_type!r} has none")
+        rp = dict(rp[layer_type] or {})
+    elif layer_type == "sliding_attention" and config.get("rope_local_base_freq"):
+        rp = {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     rp["rope_type"] = (aliases or {}).get(rope_type, rope_type)
     rp.setdefault("rope_theta", config.get("rope_theta", 10000.0))
@@ -34,7 +39,7 @@ def rope_parameters(config: dict, aliases: dict[str, str] | None = None) -> dict
     # A top-level original_max_position_embeddings (Phi-3) wins over the rope dict, as in transformers.
     rp["original_max_position_embeddings"] = (config.get("original_max_position_embeddings")
                                               or rp.get("original_max_position_embeddings")
-                                              or config["max_position_embeddings"])
+                                              or config.get("max_position_embeddings"))
     return rp
 
 
@@ -125,26 +130,31 @@ ROPE_TYPES = {"default": _default, "linear": _linear, "dynamic": _dynamic, "llam
               "longrope": _longrope}
 
 
-def rope_cos_sin(config: dict, head_dim: int, seq_len: int, device, dtype,
-                 aliases: dict[str, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[seq_len, rotary_dim]` for positions 0..seq_len-1 (rotary_dim = head_dim * partial factor)."""
-    rp = rope_parameters(config, aliases)
+def rope_cos_sin(config: dict, head_dim: int, seq_len: int, device, dtype, aliases: dict[str, str] | None = None,
+                 layer_type: str | None = None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[seq_len, rotary_dim]` for positions 0..seq_len-1 (rotary_dim = head_dim * partial factor).
+
+    interleaved: each frequency repeated for the pair (2i, 2i+1) it rotates (Cohere), not once per half."""
+    rp = rope_parameters(config, aliases, layer_type)
     if rp["rope_type"] not in ROPE_TYPES:
         raise DistloadError(f"rope_type {rp['rope_type']!r} is not supported by the reference forward "
                             f"(supported: {', '.join(sorted(ROPE_TYPES))})")
     dim = int(head_dim * rp["partial_rotary_factor"])
     inv_freq, attention_scaling = ROPE_TYPES[rp["rope_type"]](rp, config, dim, seq_len)
     freqs = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = torch.repeat_interleave(freqs, 2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return ((emb.cos() * attention_scaling).to(device=device, dtype=dtype),
             (emb.sin() * attention_scaling).to(device=device, dtype=dtype))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim features of each head of x `[heads, T, head_dim]` (half-split layout);
-    the rest pass through (Phi-3 partial rotary)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first rotary_dim features of each head of x `[heads, T, head_dim]`; the rest pass through (Phi-3
+    partial rotary). Half-split pairs (i, i + rot/2), or with `interleaved` the pairs (2i, 2i+1) (Cohere)."""
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-    rotated = torch.cat((-x2, x1), dim=-1)
+    if interleaved:
+        rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+        rotated = torch.cat((-x2, x1), dim=-1)
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
