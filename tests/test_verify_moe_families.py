@@ -10,11 +10,7 @@ saved (its e_score_correction_bias randomised too, so the biased choice is exerc
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +18,7 @@ import pytest
 import torch
 
 from hf_models import DEEPSEEK_V3, build_model, with_mtp_layer
+from test_verify import torchrun_verify
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 2e-2
@@ -224,27 +221,12 @@ def test_quantized_weights_are_refused_by_name(saved):
 # The CLI through real torchrun
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "distload", "verify", *args, "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # own session: on a hang, kill the workers too
-    try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun verify {' '.join(args)} hung for 180 s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 CLI_CASES = [("deepseek_v3", 2, 2), ("gpt_oss", 2, 2), ("glm4_moe", 2, 1), ("qwen3_next", 2, 2)]
 
 
 @pytest.mark.parametrize("name,tp,ep", CLI_CASES, ids=[f"{n}-tp{t}-ep{e}" for n, t, e in CLI_CASES])
 def test_torchrun_verify(saved, name, tp, ep):
-    proc = _torchrun(tp, saved[0][name], "--tp", str(tp), "--ep", str(ep), "--input-ids", TOKENS)
+    proc = torchrun_verify(tp, saved[0][name], "--tp", str(tp), "--ep", str(ep), "--input-ids", TOKENS)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = re.search(r"max rel err ([0-9.e+-]+) \(.*argmax same: (True|False)", proc.stdout)
     assert m and float(m.group(1)) < TOL and m.group(2) == "True", proc.stdout
