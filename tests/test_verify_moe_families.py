@@ -20,7 +20,6 @@ import torch
 from hf_models import DEEPSEEK_V3, build_model, with_mtp_layer
 from test_verify import torchrun_verify
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 2e-2
 # 12 ids across the vocab (250): longer than GPT-OSS's sliding window (8), so the window masks something.
 TOKENS = "1,17,42,7,249,0,128,63,200,5,99,31"
