@@ -23,7 +23,7 @@ SHARDED_STATE_KEYS = {"architectures", "aliased", "buffers"}
 class ShardedStateNames:
     """What an engine's own sharded format holds beyond the weights (configs/serving: [profile.sharded_state])."""
     architectures: tuple[str, ...] = ()          # whose state_dict names the export is known to match
-    aliased: tuple[str, ...] = ()                # architectures whose models also hold the `alias` names
+    aliased: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (architecture, the `alias` suffixes its model holds)
     buffers: tuple[tuple[str, tuple[str, ...]], ...] = ()   # (param suffix, sibling float32 1.0 scalars)
 
 
@@ -44,13 +44,21 @@ class NamingProfile:
         """The engine's name for a distload param (the inverse of distload_name)."""
         return _replace_suffix(distload_name, tuple((b, a) for a, b in self.rename)) or distload_name
 
-    def aliases_of(self, engine_name: str) -> list[str]:
-        """The other engine names of the same tensor (where the architecture holds them)."""
-        return [name for alias, target in self.alias if (name := _replace_suffix(engine_name, ((target, alias),)))]
+    def aliases_of(self, engine_name: str, held: tuple[str, ...]) -> list[str]:
+        """The other engine names of the same tensor among the alias suffixes `held` (those an architecture's
+        model holds)."""
+        return [name for alias, target in self.alias
+                if alias in held and (name := _replace_suffix(engine_name, ((target, alias),)))]
 
-    def alias_target(self, engine_name: str) -> str | None:
-        """The engine param this one duplicates, or None when it is a param of its own."""
-        return _replace_suffix(engine_name, self.alias)
+    def alias_target(self, engine_name: str, present=None) -> str | None:
+        """The engine param this one duplicates (the first candidate in `present` when given: one suffix may
+        name different params in different architectures), or None when it is a param of its own."""
+        for suffix, replacement in self.alias:
+            if engine_name.endswith(suffix):
+                target = engine_name[: -len(suffix)] + replacement
+                if present is None or target in present:
+                    return target
+        return None
 
 
 def _replace_suffix(name: str, pairs: tuple[tuple[str, str], ...]) -> str | None:
@@ -90,7 +98,8 @@ def profile_for(engine: str, version: str, path=None) -> NamingProfile:
         if version_tuple(table["from"]) <= wanted < version_tuple(table["below"]):
             return NamingProfile(name=table["name"], source=str(path),
                                  rename=tuple(table.get("rename", {}).items()),
-                                 alias=tuple(table.get("alias", {}).items()),
+                                 alias=tuple((suffix, target) for suffix, targets in table.get("alias", {}).items()
+                                             for target in ([targets] if isinstance(targets, str) else targets)),
                                  sharded_state=_sharded_state(table.get("sharded_state", {}), path))
     known = ", ".join(f"{t.get('name')} [{t.get('from')}, {t.get('below')})" for t in data.get("profile", []))
     raise RuleError(f"{engine} {version}: distload does not know this version's param names (profiles: {known}); "
@@ -102,5 +111,5 @@ def _sharded_state(table: dict, path) -> ShardedStateNames:
     if unknown:
         raise RuleError(f"{path}: [profile.sharded_state] takes {sorted(SHARDED_STATE_KEYS)}; got {sorted(unknown)}")
     return ShardedStateNames(architectures=tuple(table.get("architectures", ())),
-                             aliased=tuple(table.get("aliased", ())),
+                             aliased=tuple((arch, tuple(suffixes)) for arch, suffixes in table.get("aliased", {}).items()),
                              buffers=tuple((k, tuple(v)) for k, v in table.get("buffers", {}).items()))

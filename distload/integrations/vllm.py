@@ -88,8 +88,8 @@ def destinations(model: nn.Module, profile: NamingProfile):
     data_of: dict[int, torch.Tensor] = {}  # one destination per Parameter, so tied params stay one tensor
     into, copies = {}, []
     for name, param in by_name.items():
-        target = profile.alias_target(name)
-        if target is not None and target in by_name:
+        target = profile.alias_target(name, by_name)
+        if target is not None:
             if by_name[target] is not param:
                 copies.append((param.data, profile.distload_name(target)))
             continue

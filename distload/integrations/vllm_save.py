@@ -44,13 +44,13 @@ def installed_vllm_version() -> str:
 
 
 def engine_tensors(tensors: dict[str, torch.Tensor], aliases: dict[str, str], profile: NamingProfile,
-                   aliased: bool) -> dict[str, torch.Tensor]:
+                   aliased: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """One rank's tensors under vLLM's state_dict names: renamed, one name per tensor (the smallest of a
     tensor's names, as vLLM's loader keeps it), plus the scale buffers beside each attention."""
     names: dict[str, list[str]] = {}
     for name in tensors:
         engine = profile.engine_name(name)
-        names[name] = [engine, *(profile.aliases_of(engine) if aliased else [])]
+        names[name] = [engine, *profile.aliases_of(engine, aliased)]
     for alias, target in aliases.items():
         names[target].append(profile.engine_name(alias))
     out = {min(engine_names): tensors[name] for name, engine_names in names.items()}
@@ -62,8 +62,8 @@ def engine_tensors(tensors: dict[str, torch.Tensor], aliases: dict[str, str], pr
     return out
 
 
-def architecture_aliased(hf_config: dict, profile: NamingProfile, version: str) -> bool:
-    """Whether vLLM's model of this config also holds the profile's alias names; DistloadError naming the
+def architecture_aliased(hf_config: dict, profile: NamingProfile, version: str) -> tuple[str, ...]:
+    """The profile's alias suffixes vLLM's model of this config also holds; DistloadError naming the
     architecture and the file to extend when the profile has no sharded_state names for it."""
     architectures = hf_config.get("architectures") or ["(no architectures in config.json)"]
     known = profile.sharded_state.architectures
@@ -71,7 +71,7 @@ def architecture_aliased(hf_config: dict, profile: NamingProfile, version: str) 
         raise DistloadError(f"{architectures[0]} has no sharded_state names for vLLM {version} (known: "
                             f"{', '.join(known) or 'none'}); add it to [profile.sharded_state] in {profile.source}, "
                             f"or serve the save with load_format='distload'")
-    return bool(set(architectures) & set(profile.sharded_state.aliased))
+    return tuple(s for arch, suffixes in profile.sharded_state.aliased if arch in architectures for s in suffixes)
 
 
 def export_for_vllm(save: str | os.PathLike, out: str | os.PathLike, vllm_version: str | None = None) -> Path:
