@@ -21,12 +21,18 @@ from .types import Bucket, Chunk
 DEFAULT_STAGING_BYTES = 16 << 20
 
 
-def _sent_per_row(s) -> int:
+def _takers(s, reader: int) -> list[tuple]:
+    """Per share of a point-to-point source: its rows, its bytes per row, its group, whether it leaves the
+    reader (plain numbers: the chunk loop runs once per chunk and share of the whole checkpoint)."""
+    isz = itemsize(s.dtype)
+    return [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz, d.ranks,
+             reader not in d.ranks) for d in s.shares]
+
+
+def _sent_per_row(s, takers: list[tuple]) -> int:
     """Bytes per source row its groups take (each group once, whatever its number of replicas): at least what
     the reader sends of any row, since pieces of one source split its rows evenly."""
-    if s.broadcast:
-        return 0
-    sent = sum(d.piece.numel for d in s.shares) * itemsize(s.dtype)
+    sent = sum((r1 - r0) * width for r0, r1, width, _, _ in takers)
     return -(-sent // max(1, s.rows))
 
 
@@ -44,13 +50,9 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) 
     for s, (first, end) in spans:
         # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
         # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
-        per_row = max(s.row_bytes, _sent_per_row(s), 1)
+        takers = [] if s.broadcast else _takers(s, reader)
+        per_row = max(s.row_bytes, _sent_per_row(s, takers), 1)
         per_chunk = max(1, staging_bytes // per_row)
-        isz = itemsize(s.dtype)
-        # Per share: its rows, its bytes per row, its group, whether it leaves the reader (plain numbers:
-        # this loop runs once per chunk and share of the whole checkpoint).
-        takers = [] if s.broadcast else [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz,
-                                          d.ranks, d.ranks.nearest(reader) != reader) for d in s.shares]
         for a in range(first, max(end, first + 1), per_chunk):
             b = min(a + per_chunk, end)
             read = (b - a) * s.row_bytes
