@@ -105,8 +105,7 @@ def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share
     shares: dict[str, list[Share]] = {}
     for name, (_, lays) in planned.items():
         lays = as_rank_values(lays, layout)
-        for i in range(lays.period):
-            group = lays.group(i)
+        for i, group in enumerate(lays.groups()):
             for piece in lays.value(i).pieces:
                 shares.setdefault(piece.source, []).append(Share(group, name, piece))
     return shares

@@ -122,26 +122,27 @@ class _ExpertCuts:
         self.parts, self.cuts = per_expert_parts, cuts
         parts0 = per_expert_parts[0]
         self.indexed = [[(_part_of(p, parts0), p) for p in lay.pieces] for lay in cuts]
-        self._moved: dict[tuple[int, int], list[tuple]] = {}
+        self._moved: dict[tuple[int, int], tuple[Piece, ...]] = {}
 
-    def moved(self, e: int, t: int) -> list[tuple]:
-        """Expert e's pieces for rank t of the group, at slot 0, as plain tuples (source, rows, cols, dst_row, dst_col)."""
-        key = (e, t)
-        if key not in self._moved:
+    def moved(self, e: int, t: int) -> tuple[Piece, ...]:
+        """Expert e's pieces for rank t of the group, at slot 0."""
+        got = self._moved.get((e, t))
+        if got is None:
             parts0, parts_e = self.parts[0], self.parts[e]
-            out = []
-            for j, p in self.indexed[t]:
-                shift = parts_e[j].row0 - parts0[j].row0
-                out.append((parts_e[j].source, (p.rows[0] + shift, p.rows[1] + shift), p.cols, p.dst_row, p.dst_col))
-            self._moved[key] = out
-        return self._moved[key]
+            got = tuple(p if e == 0 else Piece(parts_e[j].source, (p.rows[0] + parts_e[j].row0 - parts0[j].row0,
+                                                                   p.rows[1] + parts_e[j].row0 - parts0[j].row0),
+                                               p.cols, p.dst_row, p.dst_col) for j, p in self.indexed[t])
+            self._moved[(e, t)] = got
+        return got
 
     def stacked(self, hosts: tuple[int, ...], t: int) -> LocalLayout:
         """Rank t's layout holding `hosts` in ascending slots (serving orientation)."""
         base = self.cuts[t]
         rows = base.rows
-        pieces = tuple(Piece(src, r, c, dr + slot * rows, dc) for slot, e in enumerate(hosts)
-                       for src, r, c, dr, dc in self.moved(e, t))
+        if len(hosts) == 1:  # one expert per rank (ep as large as the experts): its pieces as moved
+            return LocalLayout(rows, base.cols, self.moved(hosts[0], t), base.padding)
+        pieces = tuple(p if not slot else Piece(p.source, p.rows, p.cols, p.dst_row + slot * rows, p.dst_col)
+                       for slot, e in enumerate(hosts) for p in self.moved(e, t))
         padding = tuple((a + slot * rows, b + slot * rows, c, d) for slot in range(len(hosts))
                         for a, b, c, d in base.padding)
         return LocalLayout(len(hosts) * rows, base.cols, pieces, padding)

@@ -59,6 +59,11 @@ def _group(first: int, step: int, count: int) -> Ranks:
     return Ranks(first, step, count)  # one object per group: planning names each group many times
 
 
+@functools.lru_cache(maxsize=64)
+def _groups(period: int, world: int) -> tuple[Ranks, ...]:
+    return tuple(_group(i, period, world // period) for i in range(period))
+
+
 class RankValues(Sequence):
     """Per rank of `world`, values[rank % len(values)]: ranks len(values) apart hold the same value.
     `make(i)` instead of `values` computes value i when first asked (cached)."""
@@ -79,6 +84,10 @@ class RankValues(Sequence):
     def group(self, i: int) -> Ranks:
         """The ranks that hold value i."""
         return _group(i, self.period, self.world // self.period)
+
+    def groups(self) -> tuple[Ranks, ...]:
+        """Per value, the ranks that hold it (one tuple per (period, world), however many params share it)."""
+        return _groups(self.period, self.world)
 
     def __getitem__(self, rank: int):
         if not -self.world <= rank < self.world:
