@@ -3,7 +3,8 @@
 A dense target is cut over the TP group by its style (shard.py), once per TP rank: its data-parallel
 replicas hold the same (ranks.RankValues). An expert target is
 [local experts, *inner local shape]: each hosted expert (experts.py) is cut by its inner style over the
-ranks of one expert group and stacked in ascending global id.
+ranks of one expert group and stacked in ascending global id, once per (host set, rank in expert group)
+of the placement's period: expert groups that host the same experts share the value, like replicas.
 """
 
 from __future__ import annotations
