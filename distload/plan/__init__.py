@@ -15,6 +15,7 @@
     quant_steps.py    final specs and post-load steps (requantize, quantize, dequantize)
     expected_shapes.py  every claimed tensor's full shape and dtype, from the rules' shape/dtype keys
     build.py          build_plan: the above in order
+    collector.py      the cyclic garbage collector paused while planning
     wire.py           per bucket and rank: the wire ops each side posts (sender and receiver agree)
     reshard.py        plans that reload (and re-cut) a sharded save
     stages.py         pipeline stages: the layers each stage holds (vLLM's split)

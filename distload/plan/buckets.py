@@ -21,12 +21,18 @@ from .types import Bucket, Chunk
 DEFAULT_STAGING_BYTES = 16 << 20
 
 
-def _sent_per_row(s) -> int:
+def _takers(s, reader: int) -> list[tuple]:
+    """Per share of a point-to-point source: its rows, its bytes per row, its group, whether it leaves the
+    reader (plain numbers: the chunk loop runs once per chunk and share of the whole checkpoint)."""
+    isz = itemsize(s.dtype)
+    return [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz, d.ranks,
+             reader not in d.ranks) for d in s.shares]
+
+
+def _sent_per_row(s, takers: list[tuple]) -> int:
     """Bytes per source row its groups take (each group once, whatever its number of replicas): at least what
     the reader sends of any row, since pieces of one source split its rows evenly."""
-    if s.broadcast:
-        return 0
-    sent = sum(d.piece.numel for d in s.shares) * itemsize(s.dtype)
+    sent = sum((r1 - r0) * width for r0, r1, width, _, _ in takers)
     return -(-sent // max(1, s.rows))
 
 
@@ -44,31 +50,24 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) 
     for s, (first, end) in spans:
         # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
         # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
-        per_row = max(s.row_bytes, _sent_per_row(s), 1)
+        bcast, row_bytes, name = s.broadcast, s.row_bytes, s.name
+        takers = [] if bcast else _takers(s, reader)
+        per_row = max(row_bytes, _sent_per_row(s, takers), 1)
         per_chunk = max(1, staging_bytes // per_row)
-        isz = itemsize(s.dtype)
-        # Per share: its rows, its bytes per row, its group, whether it leaves the reader (plain numbers:
-        # this loop runs once per chunk and share of the whole checkpoint).
-        takers = [] if s.broadcast else [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz,
-                                          d.ranks, d.ranks.nearest(reader) != reader) for d in s.shares]
         for a in range(first, max(end, first + 1), per_chunk):
             b = min(a + per_chunk, end)
-            read = (b - a) * s.row_bytes
-            groups: dict = {}
-            send = 0
-            for r0, r1, width, ranks, away in takers:
-                lo, hi = max(r0, a), min(r1, b)
-                if lo < hi:
-                    groups[ranks] = groups.get(ranks, 0) + (hi - lo) * width
-                    send += (hi - lo) * width if away else 0
-            if cur and (cur_bcast != s.broadcast or cur_read + read > staging_bytes
-                        or (not s.broadcast and cur_send + send > staging_bytes)):
+            read = (b - a) * row_bytes
+            taken = [(ranks, (min(r1, b) - max(r0, a)) * width, away) for r0, r1, width, ranks, away in takers
+                     if max(r0, a) < min(r1, b)]
+            send = sum(n for _, n, away in taken if away)
+            if cur and (cur_bcast != bcast or cur_read + read > staging_bytes
+                        or (not bcast and cur_send + send > staging_bytes)):
                 flush()
-            cur_bcast = s.broadcast
-            cur.append(Chunk(s.name, (a, b)))
+            cur_bcast = bcast
+            cur.append(Chunk(name, (a, b)))
             cur_read += read
             cur_send += send
-            for g, n in groups.items():
+            for g, n, _ in taken:
                 cur_groups[g] = cur_groups.get(g, 0) + n
     flush()
     return out

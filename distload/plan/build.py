@@ -13,9 +13,10 @@ from ..topology import Layout
 from . import (expected_shapes, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts, quant_steps,
                transpose)
 from .bounds import check_loop_bounds
+from .collector import collector_paused
 from .digest import inputs_digest
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
-from .experts import expert_hosts
+from .experts import expert_placement
 from .layouts import Planned, layouts_for_target, relayout
 from .spans import reader_spans
 from .targets import expand_targets, match_checkpoint
@@ -23,6 +24,7 @@ from .ranks import RankSpecs, RankValues
 from .types import LoadPlan, ParamSpec, Share, Source, is_broadcast
 
 
+@collector_paused  # a plan is many long-lived objects and no cycles (collector.py)
 def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
                strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, quantize: str | None = None,
                dequantize: bool = False) -> LoadPlan:
@@ -44,14 +46,14 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     by_name = {t.name: t for t in match.targets}
     companions = [c for c in companions if c.weight in by_name]
 
-    hosts = None
+    placement = None
     if any(t.rule.style == "expert" for t in match.targets):
-        hosts = expert_hosts(rules.dim(config, "experts"), layout)
+        placement = expert_placement(rules.dim(config, "experts"), layout)
     # Every claimed tensor against the full shape and dtype the rules imply, before the cuts (which check only
     # the sizes they use, and would name a rule's dims where this names config.json's keys).
     expected_shapes.check_shapes(match.targets, index, rules, config)
     expected_shapes.check_dtypes(match.targets, companions, index, quantized=scheme is not None)
-    planned = {t.name: layouts_for_target(t, index, rules, config, layout, hosts) for t in match.targets}
+    planned = {t.name: layouts_for_target(t, index, rules, config, layout, placement) for t in match.targets}
     for c in companions:  # cut from the weight's own layout, so weight and scale shards always match
         t = by_name[c.weight]
         group = layout.expert_group_size if t.rule.style == "expert" else layout.tp
@@ -103,8 +105,7 @@ def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share
     shares: dict[str, list[Share]] = {}
     for name, (_, lays) in planned.items():
         lays = as_rank_values(lays, layout)
-        for i in range(lays.period):
-            group = lays.group(i)
+        for i, group in enumerate(lays.groups()):
             for piece in lays.value(i).pieces:
                 shares.setdefault(piece.source, []).append(Share(group, name, piece))
     return shares

@@ -183,6 +183,7 @@ def check_dtypes(targets, companions, tensors: dict, quantized: bool) -> None:
     """PlanError at the first claimed tensor whose dtype the policy above refuses."""
     main = weight_dtype(targets, tensors)
     for t in targets:
+        mixed = len({tensors[x].dtype for x in t.sources}) > 1   # the plan names both parts' dtypes
         for s in t.sources:
             dtype = tensors[s].dtype
             if dtype in FP8S:
@@ -194,7 +195,6 @@ def check_dtypes(targets, companions, tensors: dict, quantized: bool) -> None:
             if dtype not in FLOATS:
                 raise PlanError(f"{s}: stored as {dtype}, but param {t.name} is floating point; integer and bool "
                                 f"dtypes are refused (the checkpoint is damaged or mislabelled): re-save it")
-            mixed = len({tensors[x].dtype for x in t.sources}) > 1   # the plan names both parts' dtypes
             if t.rule.dtype == "float" and dtype != main and not mixed:
                 raise PlanError(f"{s}: stored as {dtype}, but the checkpoint's weights are {main} and the rule for "
                                 f"{t.name} allows no other width (distload does not cast): re-save the checkpoint "

@@ -6,35 +6,85 @@ a rank never receives, stages or holds an expert it does not serve. Placement fo
 parallelism: the world is `ep` expert groups; the ranks of one group host the same experts and split
 each of them by TP. `linear` gives group k experts [k*E/ep, (k+1)*E/ep); `round_robin` gives it every
 expert e with e % ep == k; an explicit map (EPLB) may host a hot expert on several groups.
+
+What a rank holds of an expert param depends only on (the experts its group hosts, its rank in the group):
+`Placement` names that pair per rank of one period of ranks, so expert layouts are cut once per distinct
+pair (layouts.py), and groups that host the same experts at a regular stride are one RankValues group
+whose members are replicas (fanned out like dense replicas), whatever the number of such groups.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..errors import PlanError
 from ..topology import Layout
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Rank r (of `world`) hosts hosts[keys[r % period][0]] as rank keys[r % period][1] of its expert group."""
+    world: int
+    group_size: int                              # ranks per expert group (each expert TP-split that many ways)
+    hosts: tuple[tuple[int, ...], ...]           # the distinct host sets, ascending ids
+    keys: tuple[tuple[int, int], ...]            # per rank of one period: (host set, rank in expert group)
+
+    @property
+    def period(self) -> int:
+        return len(self.keys)
+
+    def of(self, rank: int) -> tuple[int, ...]:
+        return self.hosts[self.keys[rank % self.period][0]]
+
+    def per_rank(self) -> list[tuple[int, ...]]:
+        """Per rank, the global expert ids it hosts: O(world), for tools and checks (planning uses keys)."""
+        return [self.of(r) for r in range(self.world)]
+
+
 def expert_hosts(num_experts: int, layout: Layout) -> list[tuple[int, ...]]:
     """Per rank, the global expert ids it hosts, ascending (EPLB maps may repeat an id across ranks)."""
+    return expert_placement(num_experts, layout).per_rank()
+
+
+def expert_placement(num_experts: int, layout: Layout) -> Placement:
+    """The placement, checked: ep divides the experts (or the explicit --expert-map is sound)."""
     if layout.expert_map is not None:
-        return _mapped_hosts(num_experts, layout)
+        group_hosts = _mapped_hosts(num_experts, layout)
+    else:
+        group_hosts = _placed_hosts(num_experts, layout)
+    distinct: dict[tuple[int, ...], int] = {}
+    for ids in group_hosts:
+        distinct.setdefault(ids, len(distinct))
+    keys = [(distinct[group_hosts[layout.ep_rank(r)]], layout.rank_in_expert_group(r)) for r in range(layout.world)]
+    period = _period(keys)
+    return Placement(layout.world, layout.expert_group_size, tuple(distinct), tuple(keys[:period]))
+
+
+def _period(keys: list) -> int:
+    """The smallest p dividing len(keys) with keys[r] == keys[r % p] for every r."""
+    n = len(keys)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(keys[r] == keys[r % p] for r in range(p, n)):
+            return p
+    return n
+
+
+def _placed_hosts(num_experts: int, layout: Layout) -> list[tuple[int, ...]]:
+    """Per expert group, its experts under linear or round_robin placement."""
     if num_experts % layout.ep:
         ok = [e for e in range(1, layout.world + 1) if layout.world % e == 0 and num_experts % e == 0]
         raise PlanError(f"num_experts={num_experts}, ep={layout.ep}: ep must divide the number of experts "
                         f"(try --ep {', '.join(map(str, ok))})")
     per = num_experts // layout.ep
-    hosts = []
-    for r in range(layout.world):
-        k = layout.ep_rank(r)
-        if layout.expert_placement == "linear":
-            hosts.append(tuple(range(k * per, (k + 1) * per)))
-        else:
-            hosts.append(tuple(e for e in range(num_experts) if e % layout.ep == k))
-    return hosts
+    if layout.expert_placement == "linear":
+        return [tuple(range(k * per, (k + 1) * per)) for k in range(layout.ep)]
+    return [tuple(range(k, num_experts, layout.ep)) for k in range(layout.ep)]
 
 
 def _mapped_hosts(num_experts: int, layout: Layout) -> list[tuple[int, ...]]:
-    """An explicit --expert-map, checked: every expert hosted, ids in range, one id set per expert group."""
+    """An explicit --expert-map, checked: every expert hosted, ids in range, one id set per expert group.
+    The map is a per-rank table by its nature (the user wrote one); it is checked once, and planning keeps
+    one host set per expert group."""
     emap = layout.expert_map
     if len(emap) != layout.world:
         raise PlanError(f"--expert-map has {len(emap)} rank entries; the world size is {layout.world}")
@@ -51,4 +101,4 @@ def _mapped_hosts(num_experts: int, layout: Layout) -> list[tuple[int, ...]]:
                             f"ep={layout.ep}) and split its experts by TP, so they must host the same ids")
         if len(set(emap[r])) != len(emap[r]):
             raise PlanError(f"--expert-map: rank {r} lists an expert twice: {list(emap[r])}")
-    return [tuple(sorted(ids)) for ids in emap]
+    return [tuple(sorted(emap[k * g])) for k in range(layout.ep)]

@@ -3,7 +3,8 @@
 A dense target is cut over the TP group by its style (shard.py), once per TP rank: its data-parallel
 replicas hold the same (ranks.RankValues). An expert target is
 [local experts, *inner local shape]: each hosted expert (experts.py) is cut by its inner style over the
-ranks of one expert group and stacked in ascending global id.
+ranks of one expert group and stacked in ascending global id, once per (host set, rank in expert group)
+of the placement's period: expert groups that host the same experts share the value, like replicas.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
 from .expected_shapes import delivered_dtype
-from .experts import expert_hosts
+from .experts import expert_placement
 from .parts import check_vocab, logical_parts, oriented_shape, vector_experts
 from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
 from .transpose import stored_layout
@@ -43,8 +44,8 @@ def effective_style(style: str, ndim: int) -> str:
 Planned = tuple[RankValues, RankValues]   # per rank (stored per group of replicas): the param's spec and its layout
 
 
-def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, hosts) -> Planned:
-    """Per rank (spec, layout) of `target`; hosts: expert_hosts(...) when the target is an expert param."""
+def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, placement) -> Planned:
+    """Per rank (spec, layout) of `target`; placement: experts.expert_placement(...) for an expert param."""
     rule = target.rule
     sizes = {}
     if (rule.inner or rule.style) in HEAD_STYLES:
@@ -52,7 +53,7 @@ def layouts_for_target(target: Target, index, rules: FamilyRules, config: dict, 
     if rule.groups:  # whole heads per rank (rule key groups)
         sizes["groups"] = rules.dim(config, rule.groups)
     if rule.style == "expert":
-        return _expert_layouts(target, index, rules, config, layout, hosts, sizes)
+        return _expert_layouts(target, index, rules, config, layout, placement, sizes)
     return _dense_layouts(target, index, rules, config, layout, sizes)
 
 
@@ -103,40 +104,84 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
     return per_expert_parts, one_expert
 
 
-def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, hosts,
+def _part_of(piece: Piece, parts) -> int:
+    """The index of the part of `parts` a cut piece was taken from (every cut takes a piece from one part)."""
+    for j, q in enumerate(parts):
+        if q.source == piece.source and q.row0 <= piece.rows[0] and piece.rows[1] <= q.row0 + q.rows:
+            return j
+    raise PlanError(f"{piece.source}: piece rows {piece.rows} lie in no part of the expert")  # a cut's bug
+
+
+class _ExpertCuts:
+    """One expert param's cut per rank of an expert group, moved onto each expert and stacked per host set.
+
+    Every expert has one shape (checked), so expert 0 is cut once per rank in the group and each other
+    expert's pieces are the same rectangles of its own parts: planning costs O(experts x group size)
+    per param, whatever the number of expert groups that host the same experts."""
+
+    def __init__(self, per_expert_parts, cuts: list[LocalLayout]):
+        self.parts, self.cuts = per_expert_parts, cuts
+        parts0 = per_expert_parts[0]
+        self.indexed = [[(_part_of(p, parts0), p) for p in lay.pieces] for lay in cuts]
+        self._moved: dict[tuple[int, int], tuple[Piece, ...]] = {}
+
+    def moved(self, e: int, t: int) -> tuple[Piece, ...]:
+        """Expert e's pieces for rank t of the group, at slot 0."""
+        got = self._moved.get((e, t))
+        if got is None:
+            parts0, parts_e = self.parts[0], self.parts[e]
+            got = tuple(p if e == 0 else Piece(parts_e[j].source, (p.rows[0] + parts_e[j].row0 - parts0[j].row0,
+                                                                   p.rows[1] + parts_e[j].row0 - parts0[j].row0),
+                                               p.cols, p.dst_row, p.dst_col) for j, p in self.indexed[t])
+            self._moved[(e, t)] = got
+        return got
+
+    def stacked(self, hosts: tuple[int, ...], t: int) -> LocalLayout:
+        """Rank t's layout holding `hosts` in ascending slots (serving orientation)."""
+        base = self.cuts[t]
+        rows = base.rows
+        if len(hosts) == 1:  # one expert per rank (ep as large as the experts): its pieces as moved
+            return LocalLayout(rows, base.cols, self.moved(hosts[0], t), base.padding)
+        pieces = tuple(p if not slot else Piece(p.source, p.rows, p.cols, p.dst_row + slot * rows, p.dst_col)
+                       for slot, e in enumerate(hosts) for p in self.moved(e, t))
+        padding = tuple((a + slot * rows, b + slot * rows, c, d) for slot in range(len(hosts))
+                        for a, b, c, d in base.padding)
+        return LocalLayout(len(hosts) * rows, base.cols, pieces, padding)
+
+
+def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, placement,
                     sizes: dict) -> Planned:
-    """Expert params: [local experts, *inner local shape], slots in ascending global id. Every expert has
-    one shape (checked), so each rank of an expert group is cut once and the cut moved onto each expert."""
+    """Expert params: [local experts, *inner local shape], slots in ascending global id; one value per
+    (host set, rank in expert group) of the placement's period, shared by the ranks that hold it."""
     rule = target.rule
     num_experts = rules.dim(config, "experts")
-    g = layout.expert_group_size
+    g = placement.group_size
     where = f"{target.name} (rule expert/{rule.inner} in {rules.source})"
     per_expert_parts, one_expert = _expert_parts(target, index, rules, config, num_experts, where)
     inner = effective_style(rule.inner, len(one_expert))
     vector = vector_experts(target, index)   # [experts, n] as stored, cut as [experts, n, 1]
     global_shape = (num_experts,) + tuple(one_expert[:1] if vector else one_expert)
     dtype = delivered_dtype(rule, index[target.sources[0]].dtype)
-    specs, lays = [], []
-    for r in range(layout.world):
-        t = layout.rank_in_expert_group(r)
-        # Cut expert 0 too, so that a rank hosting no expert (EPLB) still gets its inner shape.
-        lay = cut(inner, per_expert_parts[0], g, t, f"{where} expert 0", label="tp-in-expert-group", **sizes)
-        pieces, rows, cols, padding = [], lay.rows, lay.cols, ()
-        for slot, e in enumerate(hosts[r]):
-            lay = cut(inner, per_expert_parts[e], g, t, f"{where} expert {e}", label="tp-in-expert-group", **sizes)
-            pieces += [Piece(p.source, p.rows, p.cols, p.dst_row + slot * lay.rows, p.dst_col) for p in lay.pieces]
-            padding += tuple((a + slot * lay.rows, b + slot * lay.rows, c, d) for a, b, c, d in lay.padding)
-        inner_local = local_shape(inner, tuple(one_expert), LocalLayout(rows, cols, ()))
-        lays.append(stored_layout(LocalLayout(len(hosts[r]) * rows, cols, tuple(pieces), padding), target, index,
-                                  rows, num_experts))
-        specs.append(ParamSpec(target.name, "expert", dtype, global_shape,
-                               (len(hosts[r]),) + (inner_local[:1] if vector else inner_local), lays[-1].padding,
-                               None, hosts[r]))
-    return RankValues(specs, layout.world), RankValues(lays, layout.world)
+    # Expert 0 is cut for every rank of the group, so that a rank hosting no expert (EPLB) still gets its shape.
+    cuts = _ExpertCuts(per_expert_parts, [cut(inner, per_expert_parts[0], g, t, f"{where} expert 0",
+                                              label="tp-in-expert-group", **sizes) for t in range(g)])
+    inner_local = [local_shape(inner, tuple(one_expert), LocalLayout(lay.rows, lay.cols, ())) for lay in cuts.cuts]
+    made: dict[tuple[int, int], tuple[ParamSpec, LocalLayout]] = {}
+    specs: dict[tuple, ParamSpec] = {}   # ranks of one host set mostly hold one spec (equal splits)
+    for key in dict.fromkeys(placement.keys):
+        hosts, t = placement.hosts[key[0]], key[1]
+        lay = stored_layout(cuts.stacked(hosts, t), target, index, cuts.cuts[t].rows, num_experts)
+        shape = (len(hosts),) + (inner_local[t][:1] if vector else inner_local[t])
+        spec_key = (key[0], shape, lay.padding)
+        if spec_key not in specs:
+            specs[spec_key] = ParamSpec(target.name, "expert", dtype, global_shape, shape, lay.padding, None, hosts)
+        made[key] = (specs[spec_key], lay)
+    values = [made[key] for key in placement.keys]
+    return RankValues([s for s, _ in values], layout.world), RankValues([lay for _, lay in values], layout.world)
 
 
 def relayout(target: Target, index, rules: FamilyRules, config: dict, q: int) -> Planned:
     """Target's (specs, layouts) on q ranks at tp q (ep 1): to name the group sizes a derived cut accepts."""
     lay = Layout(world=q, tp=q)
-    hosts = expert_hosts(rules.dim(config, "experts"), lay) if target.rule.style == "expert" else None
-    return layouts_for_target(target, index, rules, config, lay, hosts)
+    placement = expert_placement(rules.dim(config, "experts"), lay) if target.rule.style == "expert" else None
+    return layouts_for_target(target, index, rules, config, lay, placement)

@@ -18,6 +18,7 @@ from ..errors import PlanError
 from . import quant4_mxfp4
 from .quant4 import PackedTensor, by_weight
 from .quant4_formats import IN, ONE, OUT, Packed4, expected_view
+from .ranks import RankValues, per_group, unzipped
 from .shard import LocalLayout, Piece, valid_group_sizes, view2d
 from .types import ParamSpec
 
@@ -37,9 +38,8 @@ def packed_layouts(planned: dict, packed: tuple[PackedTensor, ...], targets: dic
         if weight not in planned:
             continue  # not matched (non-strict load): nothing to cut
         specs, lays = logical[weight] = planned.pop(weight)
-        try:
-            for spec, lay in zip(specs, lays):
-                _check_edges(tensors, spec, lay, scheme)
+        try:  # once per group of ranks that hold the same logical shard
+            per_group(lambda spec, lay: _check_edges(tensors, spec, lay, scheme), specs, lays)
         except _Split as split:
             raise _split_error(weight, targets[weight], tensors, split, scheme, group, relayout) from None
         for p in tensors:
@@ -107,8 +107,8 @@ def _cut(p: PackedTensor, specs, lays, index: dict):
     if p.cut.per_part:
         return _per_part(p, specs, index)
     packed_of = dict(p.scale_of)
-    out_specs, out_lays = [], []
-    for spec, lay in zip(specs, lays):
+
+    def one(spec, lay):
         experts = spec.style == "expert"   # [local experts, n, k]: each slot's matrix cut alike, stacked
         (g_out, g_in), (l_out, l_in) = spec.global_shape[-2:], spec.local_shape[-2:]
         local, glob = _shape(p, l_out, l_in, g_in), _shape(p, g_out, g_in, g_in)
@@ -134,9 +134,8 @@ def _cut(p: PackedTensor, specs, lays, index: dict):
         if sum(pc.numel for pc in lay_out.pieces) != math.prod(local):
             raise PlanError(f"{p.name}: its pieces do not tile its local shape {list(local)}; a packed tensor "
                             f"cannot follow this layout of {p.weight}")
-        out_lays.append(lay_out)
-        out_specs.append(ParamSpec(p.name, style, dtype, glob, local, experts=spec.experts))
-    return out_specs, out_lays
+        return ParamSpec(p.name, style, dtype, glob, local, experts=spec.experts), lay_out
+    return unzipped(per_group(one, specs, lays))
 
 
 def _follows_cut(p: PackedTensor, style: str) -> bool:
@@ -158,35 +157,35 @@ def _merge(p: PackedTensor, pieces: list[Piece]) -> list[Piece]:
 
 def _per_part(p: PackedTensor, specs, index: dict):
     entries = [index[s] for s in p.sources]
-    if specs and specs[0].style == "expert":
+    if specs.value(0).style == "expert":
         return _per_part_experts(p, specs, entries)
+    world = specs.world
     if len(entries) == 1:
         (e,) = entries
         lay = LocalLayout(*view2d(tuple(e.shape)), (Piece(e.name, (0, view2d(tuple(e.shape))[0]), (0, 1), 0, 0),))
-        return ([ParamSpec(p.name, "replicate", e.dtype, tuple(e.shape), tuple(e.shape)) for _ in specs],
-                [lay for _ in specs])
+        return RankValues([ParamSpec(p.name, "replicate", e.dtype, tuple(e.shape), tuple(e.shape))], world), \
+            RankValues([lay], world)
     rows = [view2d(tuple(e.shape))[0] for e in entries]
     shape = (sum(rows),)
     pieces = tuple(Piece(e.name, (0, n), (0, 1), sum(rows[:i]), 0) for i, (e, n) in enumerate(zip(entries, rows)))
     lay = LocalLayout(shape[0], 1, pieces)
-    return ([ParamSpec(p.name, "replicate", entries[0].dtype, shape, shape) for _ in specs], [lay for _ in specs])
+    return RankValues([ParamSpec(p.name, "replicate", entries[0].dtype, shape, shape)], world), RankValues([lay], world)
 
 
 def _per_part_experts(p: PackedTensor, specs, entries):
     """Per-part tensors of experts: [local experts, parts * numel], slot by slot (sources run expert by expert;
     logical_index gives each the view [1, numel]); input scales [all experts, parts] on every rank."""
-    n_experts = specs[0].global_shape[0]
+    n_experts = specs.value(0).global_shape[0]
     n_parts, k = len(entries) // n_experts, entries[0].shape[1]
-    out_specs, out_lays = [], []
-    for spec in specs:
+
+    def one(spec):
         # NVFP4 MoE kernels take the max input scale over all experts: every rank gets every expert's.
         every = p.suffix == "input_scale"
         slots = tuple(range(n_experts)) if every else spec.experts
         pieces = tuple(Piece(entries[e * n_parts + j].name, (0, 1), (0, k), slot, j * k)
                        for slot, e in enumerate(slots) for j in range(n_parts))
         shape = (len(slots), n_parts * k)
-        out_lays.append(LocalLayout(*shape, pieces))
-        out_specs.append(ParamSpec(p.name, "replicate", entries[0].dtype, shape, shape) if every else
-                         ParamSpec(p.name, "expert", entries[0].dtype, (n_experts, n_parts * k), shape,
-                                   experts=spec.experts))
-    return out_specs, out_lays
+        return (ParamSpec(p.name, "replicate", entries[0].dtype, shape, shape) if every else
+                ParamSpec(p.name, "expert", entries[0].dtype, (n_experts, n_parts * k), shape, experts=spec.experts),
+                LocalLayout(*shape, pieces))
+    return unzipped(per_group(one, specs))

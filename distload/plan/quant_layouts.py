@@ -13,12 +13,14 @@ import math
 
 from ..errors import PlanError
 from .quant import Companion, Scheme
+from .ranks import RankValues, per_group, unzipped
 from .shard import LocalLayout, Piece, view2d
 from .types import ParamSpec
 
-def companion_layouts(c: Companion, target, weight_specs: list, weight_lays: list[LocalLayout], tensors: dict,
-                      scheme: Scheme, group: int, relayout) -> tuple[list, list[LocalLayout]]:
-    """Per rank (spec, layout) of companion `c`, from its weight's per-rank specs and layouts.
+def companion_layouts(c: Companion, target, weight_specs: RankValues, weight_lays: RankValues, tensors: dict,
+                      scheme: Scheme, group: int, relayout) -> tuple[RankValues, RankValues]:
+    """Per rank (spec, layout) of companion `c`, from its weight's per-rank specs and layouts, cut once per
+    group of ranks that hold the same weight shard.
 
     group: the size of the group the weight is cut over (tp; for experts, ranks per expert group);
     relayout(q) -> the weight's (specs, layouts) at group size q, called only when a block is split,
@@ -29,7 +31,7 @@ def companion_layouts(c: Companion, target, weight_specs: list, weight_lays: lis
     return _per_part_layouts(c, target, weight_specs, tensors)
 
 
-def _per_part_layouts(c: Companion, target, weight_specs, tensors):
+def _per_part_layouts(c: Companion, target, weight_specs: RankValues, tensors) -> tuple[RankValues, RankValues]:
     scale_of = dict(c.scale_of)
     entries = [tensors[s] for s in c.sources]
     not_scalar = [f"{e.name}{list(e.shape)}" for e in entries if math.prod(e.shape) != 1]
@@ -39,31 +41,27 @@ def _per_part_layouts(c: Companion, target, weight_specs, tensors):
     dtypes = sorted({e.dtype for e in entries})
     if len(dtypes) > 1:
         raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
-    specs, lays = [], []
+    world = weight_specs.world
     if target.rule.style == "expert":
         if target.rule.stacked:
             raise PlanError(f"{c.name}: per-tensor scales of experts stacked on disk are not supported; "
                             f"use a block-FP8 or per-expert checkpoint")
         n_parts = len(target.expert_sources[0])
-        for w in weight_specs:
+
+        def per_expert(w):  # [local experts(, parts)]: each hosted expert's scalars, slot by slot
             shape = (len(w.experts), n_parts) if n_parts > 1 else (len(w.experts),)
             pieces = tuple(Piece(scale_of[s], (0, 1), (0, 1), slot, j)
                            for slot, e in enumerate(w.experts) for j, s in enumerate(target.expert_sources[e]))
-            lays.append(LocalLayout(*view2d(shape), pieces))
             glob = (w.global_shape[0], n_parts) if n_parts > 1 else (w.global_shape[0],)
-            specs.append(ParamSpec(c.name, "expert", dtypes[0], glob, shape, experts=w.experts))
-        return specs, lays
+            return ParamSpec(c.name, "expert", dtypes[0], glob, shape, experts=w.experts), LocalLayout(*view2d(shape), pieces)
+        return unzipped(per_group(per_expert, weight_specs))
     if len(c.sources) == 1:  # one source (also a fused one on disk): its scalar, as it is, on every rank
         (entry,) = entries
-        for _ in weight_specs:
-            lays.append(LocalLayout(1, 1, (Piece(entry.name, (0, 1), (0, 1), 0, 0),)))
-            specs.append(ParamSpec(c.name, "replicate", entry.dtype, tuple(entry.shape), tuple(entry.shape)))
-        return specs, lays
+        return (RankValues([ParamSpec(c.name, "replicate", entry.dtype, tuple(entry.shape), tuple(entry.shape))], world),
+                RankValues([LocalLayout(1, 1, (Piece(entry.name, (0, 1), (0, 1), 0, 0),))], world))
     shape = (len(c.sources),)
-    for _ in weight_specs:
-        lays.append(LocalLayout(len(c.sources), 1, tuple(Piece(s, (0, 1), (0, 1), i, 0) for i, s in enumerate(c.sources))))
-        specs.append(ParamSpec(c.name, "replicate", dtypes[0], shape, shape))
-    return specs, lays
+    lay = LocalLayout(len(c.sources), 1, tuple(Piece(s, (0, 1), (0, 1), i, 0) for i, s in enumerate(c.sources)))
+    return RankValues([ParamSpec(c.name, "replicate", dtypes[0], shape, shape)], world), RankValues([lay], world)
 
 
 class _SplitBlock(Exception):
@@ -126,22 +124,21 @@ def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, sch
     if len(dtypes) > 1:
         raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
     try:
-        pieces = [_block_pieces(lay, w, scale_of, tensors, block) for lay, w in zip(weight_lays, weight_specs)]
+        pieces = per_group(lambda lay, w: _block_pieces(lay, w, scale_of, tensors, block), weight_lays, weight_specs)
     except _SplitBlock as split:
         raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
     distinct = list(dict.fromkeys(c.sources))
     rows = sum(view2d(tuple(tensors[s].shape))[0] for s in distinct)
     cols = view2d(tuple(tensors[distinct[0]].shape))[1]
-    specs, lays = [], []
-    for w, ps in zip(weight_specs, pieces):
+
+    def scales(w, ps):
         local = block_scale_shape(w.local_shape, block)
         if w.style == "expert":
             glob = (w.global_shape[0],) + block_scale_shape(w.global_shape[1:], block)
         else:
             glob = (rows, cols)
-        lays.append(LocalLayout(*view2d(local), ps))
-        specs.append(ParamSpec(c.name, w.style, dtypes[0], glob, local, experts=w.experts))
-    return specs, lays
+        return ParamSpec(c.name, w.style, dtypes[0], glob, local, experts=w.experts), LocalLayout(*view2d(local), ps)
+    return unzipped(per_group(scales, weight_specs, pieces))
 
 
 def _split_error(c: Companion, target, split: _SplitBlock, tensors, scheme: Scheme, group: int, relayout) -> PlanError:

@@ -81,6 +81,10 @@ def finalize(staging: list[dict], planned: dict, targets: dict, comps: list[Comp
                         "drop --dequantize")
     if not online and not scheme:
         return staging, [() for _ in staging], None
+    if scheme and scheme.block and not dequantize and not any(c.role == "input" for c in comps):
+        # Block scales are cut with their weights and final as cut: no rank rewrites anything (and the
+        # staging specs serve as the final ones, never copied per rank).
+        return staging, [() for _ in staging], scheme.describe()
     final = [dict(specs) for specs in staging]
     steps: list[list[Step]] = [[] for _ in staging]
     if online:

@@ -10,6 +10,7 @@ Planning and the plan therefore cost the same at 8 ranks as at 4096 for the same
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -58,6 +59,11 @@ def _group(first: int, step: int, count: int) -> Ranks:
     return Ranks(first, step, count)  # one object per group: planning names each group many times
 
 
+@functools.lru_cache(maxsize=64)
+def _groups(period: int, world: int) -> tuple[Ranks, ...]:
+    return tuple(_group(i, period, world // period) for i in range(period))
+
+
 class RankValues(Sequence):
     """Per rank of `world`, values[rank % len(values)]: ranks len(values) apart hold the same value.
     `make(i)` instead of `values` computes value i when first asked (cached)."""
@@ -79,6 +85,10 @@ class RankValues(Sequence):
         """The ranks that hold value i."""
         return _group(i, self.period, self.world // self.period)
 
+    def groups(self) -> tuple[Ranks, ...]:
+        """Per value, the ranks that hold it (one tuple per (period, world), however many params share it)."""
+        return _groups(self.period, self.world)
+
     def __getitem__(self, rank: int):
         if not -self.world <= rank < self.world:
             raise IndexError(rank)
@@ -90,6 +100,20 @@ class RankValues(Sequence):
     def map(self, fn) -> "RankValues":
         """fn applied to each value (lazily), same groups."""
         return RankValues((), self.world, make=lambda i: fn(self.value(i)), period=self.period)
+
+
+def per_group(fn, *per_rank: RankValues) -> RankValues:
+    """fn(value, ...) once per group of ranks holding equal values in each of `per_rank` (RankValues of one
+    world; the period is the lcm of theirs), computed now, so that its errors surface while planning."""
+    world = per_rank[0].world
+    period = math.lcm(*(v.period for v in per_rank))
+    return RankValues([fn(*(v.value(i % v.period) for v in per_rank)) for i in range(period)], world)
+
+
+def unzipped(pairs: RankValues) -> tuple[RankValues, RankValues]:
+    """RankValues of (a, b) pairs as (RankValues of a, RankValues of b), same groups."""
+    values = [pairs.value(i) for i in range(pairs.period)]
+    return RankValues([a for a, _ in values], pairs.world), RankValues([b for _, b in values], pairs.world)
 
 
 class SpecView(Mapping):

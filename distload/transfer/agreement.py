@@ -8,13 +8,13 @@ failed and why.
 from __future__ import annotations
 
 import itertools
-import re
 import time
 
 import torch.distributed as dist
 
 from .. import faults
 from ..errors import CheckpointError, RankFailure
+from . import postmortem
 from .collectives import active, all_gather_objects, count_over_ranks, gather_int64, max_over_ranks
 
 
@@ -94,15 +94,8 @@ def rank_failure(phase: str, failures: dict[int, str]) -> RankFailure:
     return RankFailure(f"{phase} failed on {len(failures)} rank(s): {text}", failures)
 
 
-# ----------------------------------------------------------------------------------------------------
-# When a peer is gone: the process group cannot tell who or why, the rendezvous store still can.
-#
-# A killed rank (OOM killer, lost node) leaves its peers with "Connection closed by peer" from gloo (NCCL:
-# a timeout), and a hung one with a timeout, neither naming a rank. Every rank that fails posts its
-# reason to the job's store (torchrun's agent holds it; without torchrun, rank 0); a rank whose collective
-# broke then waits a moment for its peers' reasons and names the ranks that stayed silent.
+# When a peer is gone, the job's store names who and why (postmortem.py: bounded at any world).
 
-POSTMORTEM_WAIT_S = 3.0  # how long a broken rank waits for its peers' reasons: they break at about the same time
 _agreement_steps = itertools.count()  # the n-th agreement of this process; equal on all ranks while in step
 
 
@@ -111,24 +104,12 @@ class LostPeer(RuntimeError):
 
     def __init__(self, doing: str, cause: BaseException):
         self.doing = doing
-        super().__init__(f"lost a peer while {doing}: {_first_line(cause)}")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    line = text[0] if text else type(error).__name__
-    # gloo: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port. This is typically ..."
-    line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". This is typically")[0]
-    return line[:300]
-
-
-def _store_key(step: int, rank: int) -> str:
-    return f"distload/agreement-{step}/rank-{rank}"
+        super().__init__(f"lost a peer while {doing}: {postmortem.first_line(cause)}")
 
 
 def _tell_store(step: int, message: str) -> None:
     try:
-        dist.distributed_c10d._get_default_store().set(_store_key(step, dist.get_rank()), message[:4000])
+        postmortem.tell(dist.distributed_c10d._get_default_store(), step, dist.get_rank(), message)
     except Exception:  # the store is gone too; the postmortem will say so
         pass
 
@@ -136,33 +117,14 @@ def _tell_store(step: int, message: str) -> None:
 def _postmortem(phase: str, step: int, error: LostPeer) -> RankFailure:
     """Name who failed and why from the store, after this rank's process group broke."""
     me, world = dist.get_rank(), dist.get_world_size()
-    heard: dict[int, str] = {}
-    store_error = None
+    causes, silent, count, store_error = {}, [], 0, None
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(_store_key(step, me), f"LostPeer: {error}")
-        deadline = time.monotonic() + POSTMORTEM_WAIT_S
-        while len(heard) < world - 1 and time.monotonic() < deadline:
-            for r in range(world):
-                if r != me and r not in heard and store.check([_store_key(step, r)]):
-                    heard[r] = store.get(_store_key(step, r)).decode(errors="replace")
-            time.sleep(0.05)
+        causes, silent, count = postmortem.gather(dist.distributed_c10d._get_default_store(), step, me, world,
+                                                  str(error))
     except Exception as exc:
         store_error = exc
-    causes = {r: m for r, m in heard.items() if not m.startswith("LostPeer:")}
-    silent = [r for r in range(world) if r != me and r not in heard]
-    parts = [f"{phase} failed: rank {me} {error}"]
-    parts += [f"rank {r} failed: {m}" for r, m in sorted(causes.items())]
-    if silent:
-        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
-        parts.append(f"no word from {who} within {POSTMORTEM_WAIT_S:.0f} s (killed, crashed or hung: see "
-                     f"{'their' if len(silent) > 1 else 'its'} log or the launcher's report; a rank still waiting on the "
-                     "lost one cannot answer either)")
-    if store_error is not None:
-        parts.append(f"the job's store is unreachable too ({_first_line(store_error)}): whoever held it is gone "
-                     "(rank 0 without torchrun, else torchrun's agent)")
-    failures = {**{r: "no word (vanished)" for r in silent}, **causes, me: str(error)}
-    return RankFailure("; ".join(parts), failures)
+    message, failures = postmortem.describe(phase, me, error, causes, silent, count, store_error)
+    return RankFailure(message, failures)
 
 
 def report_together(seconds: float = 3.0) -> None:
