@@ -22,7 +22,7 @@ from hf_models import save_checkpoint
 from spawn import run_ranks
 
 LAYERS = 5
-FAMILIES = {"llama": {}, "llama_mqa_tied": {}, "phi3": {}, "qwen3_moe": {}}
+FAMILIES = ("llama", "llama_mqa_tied", "phi3", "qwen3_moe", "gpt2")
 # (tp, pp, ep, pp_layers given, env partition, the stages' layer ranges by vLLM's rule)
 CASES = [
     (2, 2, 1, None, None, [(0, 3), (3, 5)]),          # 5 on 2: 2 each, the remainder to the stage before the last
@@ -31,6 +31,7 @@ CASES = [
     (1, 4, 1, None, "2,1,1,1", [(0, 2), (2, 3), (3, 4), (4, 5)]),   # VLLM_PP_LAYER_PARTITION
 ]
 MOE_CASES = [(2, 2, 2, None, None, [(0, 3), (3, 5)]), (2, 2, 1, None, None, [(0, 3), (3, 5)])]
+CASES_OF = {"qwen3_moe": MOE_CASES, "gpt2": CASES[:2]}   # GPT-2: tied, learned positions, weights stored [in, out]
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +42,14 @@ def checkpoints(tmp_path_factory):
 
 def on_stage(name: str, stage: int, pp: int, layers: tuple[int, int], tied: bool) -> bool:
     """Does stage `stage` of `pp` (holding decoder layers [layers)) build param `name`, as vLLM does?"""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
+    m = re.match(r"(model\.layers|transformer\.h)\.(\d+)\.", name)
     if m:
-        return layers[0] <= int(m.group(1)) < layers[1]
-    if name == "model.embed_tokens.weight":
+        return layers[0] <= int(m.group(2)) < layers[1]
+    if name in ("model.embed_tokens.weight", "transformer.wte.weight"):
         return stage == 0 or (tied and stage == pp - 1)
-    return stage == pp - 1       # model.norm, lm_head
+    if name == "transformer.wpe.weight":
+        return stage == 0
+    return stage == pp - 1       # model.norm, transformer.ln_f, lm_head
 
 
 def expected_shards(hf: dict, config: dict, rank: int, tp: int, pp: int, ep: int, ranges: list) -> dict:
@@ -68,7 +71,7 @@ def expected_shards(hf: dict, config: dict, rank: int, tp: int, pp: int, ep: int
 
 
 def cases_for(family: str) -> list:
-    return MOE_CASES if family == "qwen3_moe" else CASES
+    return CASES_OF.get(family, CASES)
 
 
 # --- Layout: vLLM's rank order, stages, expert groups inside a stage, refusals ------------------------------------
@@ -104,6 +107,7 @@ def test_layout_refusals_name_the_numbers(kwargs, words):
 def test_plans_keep_each_stage_to_its_layers(checkpoints, family, monkeypatch):
     import distload
     from hf_models import read_config
+    from test_families import staged_shards
     from test_plan import arange_values, assert_coverage, assert_each_byte_read_once, materialise_through_buckets
 
     from distload.checkpoint import discover
@@ -122,8 +126,12 @@ def test_plans_keep_each_stage_to_its_layers(checkpoints, family, monkeypatch):
         for rank in range(4):
             want = expected_shards(values, read_config(checkpoints[family]), rank, tp, pp, ep, ranges)
             assert set(plan.specs[rank]) == set(want), (where, rank, set(plan.specs[rank]) ^ set(want))
-            assert_coverage(plan, rank)
-            got = materialise_through_buckets(plan, rank, values)
+            if any(plan.post):   # stored transposed: staged as stored, then each rank's own transpose steps
+                assert all(step.outputs[0] in want for step in plan.post[rank]), (where, rank)
+                got = staged_shards(plan, rank, values)
+            else:
+                assert_coverage(plan, rank)
+                got = materialise_through_buckets(plan, rank, values)
             assert not differences(got, want, f"{where} rank {rank}")
             # nothing of another stage's layers is delivered to this rank
             for src in plan.sources.values():
