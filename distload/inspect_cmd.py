@@ -160,7 +160,9 @@ def stage_lines(plan: LoadPlan) -> list[str]:
     """The per-stage split (inspect --pp P), one line per stage."""
     if plan.layout.pp == 1:
         return []
-    lines = [f"pipeline: {plan.layout.pp} stages, layers per stage {','.join(map(str, plan.layout.pp_layers))}"]
+    layout = plan.layout
+    lines = [f"pipeline: {layout.pp} stages, layers per stage {','.join(map(str, layout.pp_layers))} "
+             f"({layout.pp_layers_from})"]
     for st in stage_split(plan):
         a, b = st["layers"]
         lines.append(f"  stage {st['stage']}: layers {a}..{b - 1} ({b - a}), {st['params']} params, keeps "

@@ -80,6 +80,7 @@ def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str
         "ep": layout.ep,
         "pp": layout.pp,
         "pp_layers": list(layout.pp_layers) if layout.pp_layers else None,
+        "pp_layers_from": layout.pp_layers_from if layout.pp_layers else None,   # --pp-layers, the env, or default
         "readers": list(layout.readers),
         "checkpoint_bytes": plan.checkpoint_bytes,
         "storage_bytes_read": sum(r["bytes_read"] for r in per_rank),

@@ -32,7 +32,7 @@ class Layout:
     owner_reads: bool = False                             # --readers owners asked for (route.py decides)
     pp: int = 1                                           # pipeline stages
     pp_layers: tuple[int, ...] | None = None              # layers per stage as given (None: vLLM's default split)
-    pp_layers_from: str = "--pp-layers"                   # where pp_layers came from, for messages
+    pp_layers_from: str = "--pp-layers"                   # where pp_layers came from: the option, the env, default
 
     def __post_init__(self):
         if self.world < 1:

@@ -122,6 +122,7 @@ def test_plans_keep_each_stage_to_its_layers(checkpoints, family, monkeypatch):
         where = f"{family} tp {tp} pp {pp} ep {ep} layers {parts or env}"
         assert plan.layout.pp_layers == tuple(b - a for a, b in ranges), where
         assert_each_byte_read_once(plan)
+        assert plan.missing == () and plan.unexpected == (), where   # no stage reports another's layers
         assert plan.checkpoint_bytes == tensor_bytes(checkpoints[family]), where
         for rank in range(4):
             want = expected_shards(values, read_config(checkpoints[family]), rank, tp, pp, ep, ranges)
@@ -252,6 +253,7 @@ def test_loads_on_four_ranks_hold_exactly_their_stage(checkpoints, tmp_path):
         ranges = next(c[5] for c in cases_for(family) if c[:5] == (tp, pp, ep, parts, env))
         assert report["ok"], key
         assert report["pp"] == pp and report["pp_layers"] == [b - a for a, b in ranges], key
+        assert report["pp_layers_from"] == ("--pp-layers" if parts else PARTITION_ENV if env else "default"), key
         assert report["storage_bytes_read"] == report["checkpoint_bytes"] == tensor_bytes(checkpoints[family]), key
         for r in report["per_rank"]:
             stage = (r["rank"] // tp) % pp

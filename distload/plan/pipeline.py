@@ -19,6 +19,7 @@ from ..rules import FamilyRules
 from ..topology import Layout
 from .ranks import RankSpecs, RankValues
 
+DEFAULT_SPLIT = "default"   # pp_layers_from of a partition nobody gave: vLLM's get_pp_indices split
 LAYER_LOOP = "layer"   # the rules files' loop variable of the decoder layers ({layer})
 # Non-layer params on the input side (token and position embeddings), held by the first stage; every other
 # non-layer param (final norm, head) is the last stage's.
@@ -43,7 +44,8 @@ def resolved_layout(layout: Layout, rules: FamilyRules, config: dict) -> Layout:
         return layout
     if layers < 1 and layout.pp == 1:
         return layout
-    return replace(layout, pp_layers=layout.stage_partition(layers))
+    source = layout.pp_layers_from if layout.pp_layers is not None else DEFAULT_SPLIT
+    return replace(layout, pp_layers=layout.stage_partition(layers), pp_layers_from=source)
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,8 @@ class ShardedSource:
         staging = self.options.staging_bytes or DEFAULT_STAGING_BYTES
         if job_matches_save(manifest, layout):
             saved_parts = manifest.get("pp_layers")
-            return same_topology_plan(manifest, replace(layout, pp_layers=tuple(saved_parts) if saved_parts else None),
-                                      staging)
+            saved_stages = dict(pp_layers=tuple(saved_parts), pp_layers_from=MANIFEST) if saved_parts else {}
+            return same_topology_plan(manifest, replace(layout, **saved_stages), staging)
         self.resharded = True
         if not self.options.reshard:
             raise topology_refusal(str(self.root), manifest, layout)
