@@ -100,6 +100,8 @@ class LoadOptions:
 
     def __post_init__(self):
         # Checked where they are made, on every rank alike: a bad value is refused before any rendezvous.
+        if self.pp is None:   # as tp: None is the default (one stage)
+            object.__setattr__(self, "pp", 1)
         if isinstance(self.pp_layers, str):
             object.__setattr__(self, "pp_layers", parse_partition(self.pp_layers))
         check_options(self)

@@ -263,6 +263,13 @@ def test_loads_on_four_ranks_hold_exactly_their_stage(checkpoints, tmp_path):
     assert [s["layers"] for s in manifest["rank_stages"]] == [[0, 3], [0, 3], [3, 5], [3, 5]]
     assert manifest["params"]["model.layers.4.mlp.down_proj.weight"]["ranks"][0] is None
     assert manifest["params"]["model.embed_tokens.weight"]["pp_ranks"] == [0, 1]   # tied: first and last stage
+    # A record missing on a rank whose stage holds the param is damage, named as such.
+    from distload.errors import CheckpointError
+    from distload.sharded.manifest import check_manifest
+
+    manifest["params"]["model.layers.0.mlp.down_proj.weight"]["ranks"][1] = None
+    with pytest.raises(CheckpointError, match=re.escape('model.layers.0.mlp.down_proj.weight"].ranks[1]')):
+        check_manifest(manifest, tmp_path / "pp2" / "manifest.json")
 
 
 # --- Refusals under torchrun: one line on every rank ----------------------------------------------------------------
