@@ -38,7 +38,13 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
 
     p.epilog, p.formatter_class = TUNING_HELP, argparse.RawDescriptionHelpFormatter
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides the world size)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (world = dp x pp x tp); each stage gets only its decoder layers")
+    p.add_argument("--pp-layers", default=None, metavar="A,B,...",
+                   help="layers per stage, summing to the model's layers (default: VLLM_PP_LAYER_PARTITION if set, "
+                        "else vLLM's split)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size (divides the world size, or one stage's ranks with --pp)")
     p.add_argument("--readers", type=_readers, default="per-node",
                    help="'per-node' (local rank 0 of each node reads), N (N readers over the nodes), or 'owners' "
                         "(one node: each rank copies its own pieces from the page cache, no second copy)")
@@ -83,7 +89,8 @@ def load_options(args):
     from .options import LoadOptions
     from .validate import read_expert_map, validate_load_options
 
-    options = LoadOptions(tp=args.tp, ep=args.ep, readers=args.readers, config=args.config, strict=args.strict,
+    options = LoadOptions(tp=args.tp, pp=args.pp, pp_layers=args.pp_layers, ep=args.ep, readers=args.readers,
+                          config=args.config, strict=args.strict,
                           device=args.device, backend=args.backend, timeout_s=args.timeout_s,
                           staging_mib=args.staging_mib, read_strategy=args.read_strategy,
                           expert_placement=args.expert_placement,
@@ -161,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show what each rank will get, without processes")
     p.add_argument("path")
     _add_load_options(p)
-    p.add_argument("--world", type=int, default=None, help="world size (default: tp)")
+    p.add_argument("--world", type=int, default=None, help="world size (default: tp x pp)")
     p.add_argument("--local-world", type=int, default=None, help="ranks per node (default: all on one node)")
     p.add_argument("--rank", type=int, default=0, help="the rank whose planning, messages and bytes are shown")
     p.add_argument("--per-rank", action="store_true", help="the per-rank table at any world (default: up to 16)")

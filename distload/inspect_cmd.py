@@ -42,7 +42,7 @@ def inspect_load(path: str, options: LoadOptions, world: int | None = None,
                  local_world: int | None = None) -> Inspection:
     """The plan and route of a load of `path` by `options` on `world` ranks (default tp), `local_world` per
     node (default all on one node), by the same source and route decision as the load."""
-    world = world or options.tp or 1
+    world = world or (options.tp or 1) * options.pp
     layout = layout_for(world, local_world or world, options)
     source = source_for(path, options)
     found = source.discover()
@@ -110,13 +110,15 @@ def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | 
     if not 0 <= rank < layout.world:
         raise DistloadError(f"--rank {rank}: the world has ranks 0..{layout.world - 1}")
     totals = job_totals(plan)
-    lines = [f"family {plan.family}: world {layout.world}, tp {layout.tp}, ep {layout.ep}, "
+    lines = [f"family {plan.family}: world {layout.world}, tp {layout.tp}, "
+             + (f"pp {layout.pp}, " if layout.pp > 1 else "") + f"ep {layout.ep}, "
              + (f"readers {list(layout.readers)}" if len(layout.readers) <= 16 else f"{len(layout.readers)} readers"),
              f"checkpoint tensors {len(plan.sources)}, bytes {plan.checkpoint_bytes:,}, buckets {len(plan.buckets)}"]
     if plan.ignored:
         lines.append(f"ignored by rule: {len(plan.ignored)} tensor(s)")
     if plan.quantization:
         lines.append(f"quantization: {plan.quantization}; 'keeps bytes' are the params after post-load steps")
+    lines += stage_lines(plan)
     lines.append(route.describe())
     if not layout.one_node:
         crossing = totals["bytes_crossing_nodes"]
@@ -137,12 +139,45 @@ def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | 
     return "\n".join(lines)
 
 
+def stage_split(plan: LoadPlan) -> list[dict]:
+    """Per pipeline stage: its layers [first, end), the params one copy of the stage holds (over its tp ranks),
+    the bytes those ranks keep, and the checkpoint bytes the stage takes (a tied embedding counts on each stage
+    that holds it)."""
+    layout, out = plan.layout, []
+    for s in range(layout.pp):
+        ranks = [s * layout.tp + t for t in range(layout.tp)]   # the stage's first data-parallel copy
+        layers = layout.stage_layers(s, sum(layout.pp_layers)) if layout.pp_layers else None
+        names = {n for r in ranks for n in plan.specs[r]}
+        taken = sum(src.nbytes for src in plan.sources.values()
+                    if any(r in share.ranks for share in src.shares for r in ranks))
+        out.append({"stage": s, "layers": [layers.start, layers.stop] if layers is not None else None,
+                    "params": len(names), "keeps_bytes": sum(_kept(plan, r) for r in ranks),
+                    "checkpoint_bytes": taken})
+    return out
+
+
+def stage_lines(plan: LoadPlan) -> list[str]:
+    """The per-stage split (inspect --pp P), one line per stage."""
+    if plan.layout.pp == 1:
+        return []
+    layout = plan.layout
+    lines = [f"pipeline: {layout.pp} stages, layers per stage {','.join(map(str, layout.pp_layers))} "
+             f"({layout.pp_layers_from})"]
+    for st in stage_split(plan):
+        a, b = st["layers"]
+        lines.append(f"  stage {st['stage']}: layers {a}..{b - 1} ({b - a}), {st['params']} params, keeps "
+                     f"{st['keeps_bytes']:,} B over its tp ranks, takes {st['checkpoint_bytes']:,} B of the checkpoint")
+    return lines
+
+
 def _kept(plan: LoadPlan, rank: int) -> int:
     return sum(s.nbytes for s in plan.specs[rank].values() if not s.alias_of)
 
 
 def _per_rank_table(plan: LoadPlan, route: Route) -> list[str]:
-    lines = [f"{'rank':>4} {'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "
+    staged = plan.layout.pp > 1   # the stage column only where there are stages (scripts read the columns)
+    stage_col = f"{'stage':>5} " if staged else ""
+    lines = [f"{'rank':>4} {stage_col}{'params':>7} {'keeps bytes':>15} {'reads bytes':>15} {'receives bytes':>15} "
              f"{'expert bytes':>15}  experts"]
     for r in range(plan.layout.world):
         specs = plan.specs[r]
@@ -153,8 +188,9 @@ def _per_rank_table(plan: LoadPlan, route: Route) -> list[str]:
             receives = sum(b.recv_bytes[r] for b in plan.buckets if b.reader != r)
         experts = sorted({e for s in specs.values() for e in s.experts})
         expert_bytes = sum(s.nbytes for s in specs.values() if s.style == "expert")
-        lines.append(f"{r:>4} {len(specs):>7} {_kept(plan, r):>15,} {reads:>15,} {receives:>15,} {expert_bytes:>15,}  "
-                     f"{_ranges(experts) if experts else '-'}")
+        stage = f"{plan.layout.pp_rank(r):>5} " if staged else ""
+        lines.append(f"{r:>4} {stage}{len(specs):>7} {_kept(plan, r):>15,} {reads:>15,} {receives:>15,} "
+                     f"{expert_bytes:>15,}  {_ranges(experts) if experts else '-'}")
     return lines
 
 

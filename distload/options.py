@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import DistloadError
+from .stages import parse_partition
 from .validate import check_options
 
 EARLY_FETCH_MIB = 128   # what rank 0 asks storage for while the ranks start up (checkpoint/early_fetch.py)
@@ -71,6 +72,8 @@ TUNING_HELP = """tuning (environment, read once at start, recorded in the report
 class LoadOptions:
     """One load's options (as `distload load --help`); identical on every rank of the job."""
     tp: int | None = None
+    pp: int = 1                                # pipeline stages (world = dp x pp x tp)
+    pp_layers: tuple[int, ...] | None = None   # layers per stage ("15,15,16,15" or a tuple); None: vLLM's split
     ep: int = 1
     readers: str | int = "per-node"
     config: str | None = None                  # rules file (TOML)
@@ -97,7 +100,13 @@ class LoadOptions:
 
     def __post_init__(self):
         # Checked where they are made, on every rank alike: a bad value is refused before any rendezvous.
+        if self.pp is None:   # as tp: None is the default (one stage)
+            object.__setattr__(self, "pp", 1)
+        if isinstance(self.pp_layers, str):
+            object.__setattr__(self, "pp_layers", parse_partition(self.pp_layers))
         check_options(self)
+        if self.pp_layers is not None:
+            object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         if self.expert_map is not None:
             object.__setattr__(self, "expert_map", tuple(tuple(ids) for ids in self.expert_map))
 

@@ -143,12 +143,16 @@ def _exchange_summaries(summary: bytes) -> list[Summary]:
     return out
 
 
-def _needs_details(summaries: list[Summary]) -> bool:
+def _needs_details(summaries: list[Summary], layout) -> bool:
     """Does any summary leave the verdict open? A problem or an error; replicas whose fingerprint digests
-    differ, or ranks holding different replicated names (compared per name, as the details allow); report
-    numbers that did not fit or whose keys differ."""
+    differ, or ranks of one pipeline stage holding different replicated names (compared per name, as the
+    details allow; stages hold different layers by design); report numbers that did not fit or whose keys
+    differ."""
+    per_stage: dict[int, set] = {}
+    for r, s in enumerate(summaries):
+        per_stage.setdefault(layout.pp_rank(r), set()).add((s.names, s.fingerprints))
     return (any(s.error or s.problems or s.report_len < 0 for s in summaries)
-            or len({(s.names, s.fingerprints) for s in summaries}) > 1 or len({s.keys for s in summaries}) > 1)
+            or any(len(seen) > 1 for seen in per_stage.values()) or len({s.keys for s in summaries}) > 1)
 
 
 def reconcile(plan, rank: int, params: dict[str, torch.Tensor], written: dict, strict: bool = True,
@@ -167,7 +171,7 @@ def reconcile(plan, rank: int, params: dict[str, torch.Tensor], written: dict, s
     except Exception as exc:  # the peers are already in the all-gather below: take part, then raise
         own_error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
     summaries = _exchange_summaries(summary_of(mine, report_record))
-    if _needs_details(summaries):
+    if _needs_details(summaries, plan.layout):
         records = all_gather_objects({**mine, "report": report_record})
         if own_error is not None:
             raise own_error

@@ -60,8 +60,17 @@ def rank_record(rank: int, stats, reader, device: str) -> dict:
     }
 
 
+def stage_fields(layout, rank: int) -> dict:
+    """A rank's pipeline stage and the decoder layers it holds ([first, end); None when the plan had no layer
+    loop to split)."""
+    pp_rank = layout.pp_rank(rank)
+    layers = layout.stage_layers(pp_rank, sum(layout.pp_layers)) if layout.pp_layers else None
+    return {"pp_rank": pp_rank, "layers": [layers.start, layers.stop] if layers is not None else None}
+
+
 def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str, extra: dict | None = None) -> dict:
     layout = plan.layout
+    per_rank = [{**r, **stage_fields(layout, r["rank"])} for r in per_rank]
     return {
         "ok": verdict is not None and verdict.ok,
         "source": source,
@@ -69,6 +78,9 @@ def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str
         "world_size": layout.world,
         "tp": layout.tp,
         "ep": layout.ep,
+        "pp": layout.pp,
+        "pp_layers": list(layout.pp_layers) if layout.pp_layers else None,
+        "pp_layers_from": layout.pp_layers_from if layout.pp_layers else None,   # --pp-layers, the env, or default
         "readers": list(layout.readers),
         "checkpoint_bytes": plan.checkpoint_bytes,
         "storage_bytes_read": sum(r["bytes_read"] for r in per_rank),
@@ -96,8 +108,9 @@ def summary_line(report: dict) -> str:
     peak = max(r["peak_rss_bytes"] for r in report["per_rank"]) / 2**20
     peak_device = max(r.get("peak_device_bytes", 0) for r in report["per_rank"]) / 2**20
     on_device = f" peak_device={peak_device:.0f} MiB" if peak_device else ""
+    pp = f" pp={report['pp']}" if report.get("pp", 1) > 1 else ""
     return (f"distload: {'OK' if report['ok'] else 'NOT OK'} {report['family']} "
-            f"world={report['world_size']} tp={report['tp']} ep={report['ep']} readers={len(report['readers'])} "
+            f"world={report['world_size']} tp={report['tp']}{pp} ep={report['ep']} readers={len(report['readers'])} "
             f"params={report['params']} checkpoint={gb:.3f} GB read={report['storage_bytes_read'] / 1e9:.3f} GB "
             f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB{on_device}; {report['verdict']}")
 

@@ -1,4 +1,4 @@
-"""Who is who in the job: ranks, nodes, tp / ep groups, reader ranks, device and backend.
+"""Who is who in the job: ranks, nodes, dp x pp x tp coordinates, ep groups, reader ranks, device and backend.
 
 `Layout` is the pure part the plan needs (and `inspect` builds without processes); `Topology` adds this
 process's identity, read once from torchrun's environment here and passed down, never re-read deep
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .errors import DistloadError, RankFailure
 from .options import LoadOptions
+from .stages import PARTITION_ENV, parse_partition, pp_partition
 
 PLACEMENTS = ("linear", "round_robin")
 
@@ -29,6 +30,9 @@ class Layout:
     expert_placement: str = "linear"
     expert_map: tuple[tuple[int, ...], ...] | None = None  # EPLB: per rank, the global expert ids it hosts
     owner_reads: bool = False                             # --readers owners asked for (route.py decides)
+    pp: int = 1                                           # pipeline stages
+    pp_layers: tuple[int, ...] | None = None              # layers per stage as given (None: vLLM's default split)
+    pp_layers_from: str = "--pp-layers"                   # where pp_layers came from: the option, the env, default
 
     def __post_init__(self):
         if self.world < 1:
@@ -37,9 +41,16 @@ class Layout:
             ok = [t for t in range(1, self.world + 1) if self.world % t == 0]
             raise DistloadError(f"--tp {self.tp} must divide the world size {self.world} "
                                 f"(ranks beyond tp hold data-parallel replicas); try --tp {', '.join(map(str, ok))}")
-        if self.ep < 1 or self.world % self.ep:
-            ok = [e for e in range(1, self.world + 1) if self.world % e == 0]
-            raise DistloadError(f"--ep {self.ep} must divide the world size {self.world}; try --ep {', '.join(map(str, ok))}")
+        if self.pp < 1 or self.world % (self.pp * self.tp):
+            ok = [p for p in range(1, self.world // self.tp + 1) if self.world % (p * self.tp) == 0]
+            raise DistloadError(f"world size {self.world} is not divisible by --pp {self.pp} x --tp {self.tp} = "
+                                f"{self.pp * self.tp} (ranks are dp x pp x tp); at --tp {self.tp} try --pp "
+                                f"{', '.join(map(str, ok))}, or run on a multiple of {self.pp * self.tp} ranks")
+        if self.ep < 1 or self.stage_world % self.ep:
+            ok = [e for e in range(1, self.stage_world + 1) if self.stage_world % e == 0]
+            within = f" ranks of one pipeline stage ({self.world} / --pp {self.pp})" if self.pp > 1 else " world size"
+            raise DistloadError(f"--ep {self.ep} must divide the{within} {self.stage_world}; "
+                                f"try --ep {', '.join(map(str, ok))}")
         if self.expert_placement not in PLACEMENTS:
             raise DistloadError(f"--expert-placement {self.expert_placement!r}: choose one of {', '.join(PLACEMENTS)}")
         bad = [r for r in self.readers if not 0 <= r < self.world]
@@ -75,16 +86,40 @@ class Layout:
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline stage of `rank` (vLLM's order: rank = (dp * pp + pp_rank) * tp + tp_rank)."""
+        return (rank // self.tp) % self.pp
+
+    def stage_partition(self, num_layers: int) -> tuple[int, ...]:
+        """Layers per stage: pp_layers when given (checked against num_layers), else vLLM's split."""
+        return pp_partition(num_layers, self.pp, self.pp_layers, source=self.pp_layers_from)
+
+    def stage_layers(self, pp_rank: int, num_layers: int) -> range:
+        """The decoder layers stage `pp_rank` holds, as vLLM's get_pp_indices assigns them."""
+        parts = self.stage_partition(num_layers)
+        start = sum(parts[:pp_rank])
+        return range(start, start + parts[pp_rank])
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks per pipeline stage (its dp x tp ranks)."""
+        return self.world // self.pp
+
+    def rank_in_stage(self, rank: int) -> int:
+        """`rank`'s place among its stage's ranks, dp-major (vLLM's expert-parallel group order)."""
+        return (rank // (self.pp * self.tp)) * self.tp + rank % self.tp
+
     @property
     def expert_group_size(self) -> int:
-        """Ranks per expert-parallel group: inside it each expert is TP-split this many ways."""
-        return self.world // self.ep
+        """Ranks per expert-parallel group: inside it each expert is TP-split this many ways. The expert
+        groups split one stage's ranks (vLLM forms its EP group from a stage's dp x tp ranks)."""
+        return self.stage_world // self.ep
 
     def ep_rank(self, rank: int) -> int:
-        return rank // self.expert_group_size
+        return self.rank_in_stage(rank) // self.expert_group_size
 
     def rank_in_expert_group(self, rank: int) -> int:
-        return rank % self.expert_group_size
+        return self.rank_in_stage(rank) % self.expert_group_size
 
 
 READER_CHOICES = "'per-node', 'owners' (one node only) or a number of readers"
@@ -114,12 +149,18 @@ def reader_ranks(world: int, local_world: int, readers: str | int) -> tuple[int,
     return tuple(sorted(order[:n]))
 
 
-def layout_for(world: int, local_world: int, options: LoadOptions) -> Layout:
-    """The job's Layout for `options` (a LoadOptions) on `world` ranks, `local_world` per node."""
-    return Layout(world=world, tp=options.tp or world, ep=options.ep,
+def layout_for(world: int, local_world: int, options: LoadOptions, env=None) -> Layout:
+    """The job's Layout for `options` (a LoadOptions) on `world` ranks, `local_world` per node. Without
+    --pp-layers the partition is VLLM_PP_LAYER_PARTITION's from `env` (default os.environ), as vLLM's."""
+    env = os.environ if env is None else env
+    pp_layers, source = options.pp_layers, "--pp-layers"
+    if pp_layers is None and options.pp > 1:
+        pp_layers, source = parse_partition(env.get(PARTITION_ENV), PARTITION_ENV), PARTITION_ENV
+    return Layout(world=world, tp=options.tp or max(1, world // options.pp), ep=options.ep,
                   readers=reader_ranks(world, local_world, options.readers), local_world=local_world,
                   expert_placement=options.expert_placement, owner_reads=options.readers == "owners",
-                  expert_map=options.expert_map)
+                  expert_map=options.expert_map, pp=options.pp, pp_layers=pp_layers,
+                  pp_layers_from=source if pp_layers is not None else "--pp-layers")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,21 @@ def check_positive(option: str, value, example: str) -> None:
         raise OptionError(f"{option} {value!r}: must be a whole number of at least 1 (e.g. {option} {example})")
 
 
+def check_pp_layers(parts, pp: int | None) -> None:
+    """None, or one layer count (a whole number >= 1) per pipeline stage; that they sum to the model's layers is
+    planning's to check (config.json)."""
+    if parts is None:
+        return
+    shown = ",".join(map(str, parts)) if isinstance(parts, (list, tuple)) else repr(parts)
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in parts):
+        raise OptionError(f"--pp-layers {shown}: expected comma-separated layer counts, one per stage, e.g. 15,15,16,15")
+    if len(parts) != (pp or 1):
+        raise OptionError(f"--pp-layers {shown}: {len(parts)} stages given for --pp {pp or 1}; give one layer count "
+                          f"per stage (or --pp {len(parts)})")
+    if min(parts, default=0) < 1:
+        raise OptionError(f"--pp-layers {shown}: every stage needs at least one layer")
+
+
 def check_staging_mib(value) -> None:
     """None (the default) or a number of MiB above 0 (a fraction of a MiB makes small buckets for tests)."""
     if value is None:
@@ -205,6 +220,8 @@ def check_options(options) -> None:
     """Every check of one LoadOptions (duck-typed: options.py imports this module), in the order of
     `distload load --help`; none needs the checkpoint, so each runs where the options are made."""
     check_positive("--tp", options.tp, "2")
+    check_positive("--pp", options.pp, "2")
+    check_pp_layers(options.pp_layers, options.pp)
     check_positive("--ep", options.ep, "2")
     check_readers(options.readers)
     check_device(options.device)

@@ -12,6 +12,7 @@ import torch
 from distload.errors import DistloadError
 from distload.plan import ParamSpec
 from distload.reconcile import SUMMARY_BYTES, coverage, local_record, reconcile, summary_of
+from distload.topology import Layout
 from spawn import run_ranks
 
 WORLD = 4
@@ -21,7 +22,8 @@ def _plan(missing=()):
     specs = {"a.weight": ParamSpec("a.weight", "column", "F32", (16, 8), (4, 8)),
              "norm.weight": ParamSpec("norm.weight", "replicate", "F32", (8,), (8,)),
              "tied.weight": ParamSpec("tied.weight", "column", "F32", (16, 8), (4, 8), alias_of="a.weight")}
-    return SimpleNamespace(specs=(specs,) * WORLD, missing=tuple(missing), unexpected=())
+    return SimpleNamespace(specs=(specs,) * WORLD, missing=tuple(missing), unexpected=(),
+                           layout=Layout(world=WORLD, tp=WORLD))
 
 
 def _inputs(rank: int, case: str):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
-from . import (expected_shapes, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts, quant_steps,
-               transpose)
+from . import (expected_shapes, pipeline, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts,
+               quant_steps, transpose)
 from .bounds import check_loop_bounds
 from .collector import collector_paused
 from .digest import inputs_digest
@@ -34,6 +34,9 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     turn an FP8 checkpoint's weights into BF16 (see quant_steps.py).
     """
     check_loop_bounds(tensors, rules, config)
+    digest = inputs_digest(tensors, config, rules, layout, strict=strict, staging_bytes=staging_bytes,
+                           quantize=quantize, dequantize=dequantize)
+    layout = pipeline.resolved_layout(layout, rules, config)   # with the stage partition it plans with
     targets, tied = expand_targets(rules, config, tensors)
     # A quantized checkpoint's scales travel with their weights: targets derived from config.json.
     scheme = quant.checkpoint_scheme(config)
@@ -70,8 +73,16 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
         final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
                                                          quantize=quantize, dequantize=dequantize)
     specs, post = transpose.stage(specs, post, by_name)   # params stored transposed land, then turn
+    # Pipeline stages: a param's values only on its stages' ranks, so no rank reads or holds another stage's layers.
+    stages = pipeline.stages_of(layout, match.targets, companions, logical.packed, tied)
+    final, specs, post = (pipeline.masked_specs(final, stages), pipeline.masked_specs(specs, stages),
+                          pipeline.masked_steps(post, stages))
+    claimed = set(_shares(planned, layout)) if stages is not None else set()
+    planned = pipeline.masked_planned(planned, stages, as_rank_values)
 
-    sources = _sources(_shares(planned, layout), index, layout.world)  # index: flat 4-bit tensors as their 2-D views
+    shares = _shares(planned, layout)
+    pipeline.check_every_source_used(claimed, shares, stages)
+    sources = _sources(shares, index, layout.world)  # index: flat 4-bit tensors as their 2-D views
     runs = reader_spans(sources, layout)
     buckets = interleaved({r: buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers},
                           layout.readers, layout.world)
@@ -85,8 +96,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
                     buckets=buckets, missing=tuple(match.missing), unexpected=tuple(match.unexpected),
                     ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes),
                     staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization,
-                    digest=inputs_digest(tensors, config, rules, layout, strict=strict, staging_bytes=staging_bytes,
-                                         quantize=quantize, dequantize=dequantize))
+                    digest=digest)
 
 
 def as_rank_values(values, layout: Layout) -> RankValues:
@@ -106,7 +116,10 @@ def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share
     for name, (_, lays) in planned.items():
         lays = as_rank_values(lays, layout)
         for i, group in enumerate(lays.groups()):
-            for piece in lays.value(i).pieces:
+            lay = lays.value(i)
+            if lay is None:  # ranks of another pipeline stage
+                continue
+            for piece in lay.pieces:
                 shares.setdefault(piece.source, []).append(Share(group, name, piece))
     return shares
 

@@ -44,18 +44,29 @@ def source_name(file: str, param: str) -> str:
     return f"{file}::{param}"
 
 
-def describe_topology(world: int, tp: int, ep: int, placement: str | None = None) -> str:
-    text = f"world {world}, tp {tp}, ep {ep}"
+def describe_topology(world: int, tp: int, ep: int, placement: str | None = None, pp: int = 1,
+                      pp_layers=None) -> str:
+    text = f"world {world}, tp {tp}" + (f", pp {pp}" if pp > 1 else "") + f", ep {ep}"
+    if pp > 1 and pp_layers:
+        text += f", layers per stage {','.join(map(str, pp_layers))}"
     return text + (f", expert placement {placement}" if placement else "")
+
+
+def saved_stage(manifest: dict, rank: int) -> int:
+    """The pipeline stage rank `rank` of the save belonged to."""
+    return (rank // manifest["tp"]) % manifest.get("pp", 1)
 
 
 def saved_specs(manifest: dict, rank: int) -> dict[str, ParamSpec]:
     """What rank `rank` of the saved job held, as ParamSpecs (padding is in the file: nothing left to zero)."""
     specs = {}
     params = manifest["params"]
+    stage = saved_stage(manifest, rank)
     for name, entry in params.items():
         owner = entry.get("alias_of") or name
         rec = params[owner]["ranks"][rank]
+        if rec is None or stage not in entry.get("pp_ranks", (stage,)):
+            continue   # another pipeline stage's param
         specs[name] = ParamSpec(name, entry["style"], entry["dtype"], tuple(entry["global_shape"]),
                                 tuple(rec["local_shape"]), (), entry.get("alias_of"), tuple(rec.get("experts", ())))
     return specs
@@ -63,13 +74,18 @@ def saved_specs(manifest: dict, rank: int) -> dict[str, ParamSpec]:
 
 def saved_layout(manifest: dict) -> Layout:
     """The saved job's layout; an explicit expert map when the save hosted experts (EPLB maps included)."""
-    expert_map = None
+    hosted: dict[int, tuple[int, ...]] = {}   # per rank, from the first expert param its stage holds
     for entry in manifest["params"].values():
         if entry["style"] == "expert" and not entry.get("alias_of"):
-            expert_map = tuple(tuple(rec.get("experts", ())) for rec in entry["ranks"])
-            break
-    return Layout(world=manifest["world_size"], tp=manifest["tp"], ep=manifest["ep"],
-                  expert_placement=manifest.get("expert_placement", "linear"), expert_map=expert_map)
+            for r, rec in enumerate(entry["ranks"]):
+                if rec is not None:
+                    hosted.setdefault(r, tuple(rec.get("experts", ())))
+    world = manifest["world_size"]
+    expert_map = tuple(hosted.get(r, ()) for r in range(world)) if hosted else None
+    pp_layers = manifest.get("pp_layers")
+    return Layout(world=world, tp=manifest["tp"], ep=manifest["ep"],
+                  expert_placement=manifest.get("expert_placement", "linear"), expert_map=expert_map,
+                  pp=manifest.get("pp", 1), pp_layers=tuple(pp_layers) if pp_layers else None)
 
 
 def _bucketed(sources: list[Source], reader_of: dict[str, int], world: int, staging_bytes: int) -> tuple[Bucket, ...]:
@@ -199,4 +215,4 @@ def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int) -> L
                      shares, is_broadcast(shares, shape, layout.world))
         sources.append(src)
         reader_of[src.name] = old_rank % layout.world
-    return _plan(manifest, layout, new.specs, sources, reader_of, staging_bytes, rules)
+    return _plan(manifest, new.layout, new.specs, sources, reader_of, staging_bytes, rules)  # with its stages

@@ -2,10 +2,11 @@
 interrupted one) when a load meets it (DESIGN §4.3).
 
 A save is OUT/rank-{r:05d}-of-{W:05d}.safetensors (each rank its own params, serving names) and
-OUT/manifest.json: format and version, world, tp, ep, expert placement, rules family, source checkpoint,
+OUT/manifest.json: format and version, world, tp, ep, pp (with the layers per stage and each rank's stage and
+layer range), expert placement, rules family, source checkpoint,
 config.json, the original checkpoint's tensor names/shapes/dtypes (what --reshard replans), and per param
 its style, dtype, global shape and per rank its local shape, byte offset in the rank file, sha256 and
-hosted experts. save.py writes it, reload.py reads it back.
+hosted experts (null on the ranks of stages that lack the param). save.py writes it, reload.py reads it back.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ TOP_FIELDS = {  # key: (required, test, what it must be)
     "hf_config": (True, lambda v: isinstance(v, dict), "the model's config.json, an object"),
     "files": (True, lambda v: isinstance(v, list), "the list of rank files"),
     "params": (True, lambda v: isinstance(v, dict) and v != {}, "an object: param name -> its record"),
+    "pp": (False, _is_count, COUNT),
+    "pp_layers": (False, lambda v: isinstance(v, list) and v != [] and all(_is_count(n) for n in v),
+                  "the layers per pipeline stage, whole numbers >= 1"),
+    "rank_stages": (False, lambda v: isinstance(v, list), "per rank its pipeline stage and layer range"),
     "expert_placement": (False, lambda v: v in PLACEMENTS, f"one of {', '.join(PLACEMENTS)}"),
     "source_checkpoint": (False, lambda v: isinstance(v, str), "the source checkpoint's path"),
     "checkpoint_tensors": (False, lambda v: v is None or isinstance(v, dict), "an object: tensor name -> record"),
@@ -143,9 +148,15 @@ def check_manifest(manifest: dict, mpath: Path) -> None:
                 raise damage(key, want, missing=True)
             continue
         damage.expect(test(manifest[key]), key, want, manifest[key])
-    world = manifest["world_size"]
-    for key in ("tp", "ep"):
-        damage.expect(world % manifest[key] == 0, key, f"a divisor of world_size {world}", manifest[key])
+    world, pp = manifest["world_size"], manifest.get("pp", 1)
+    per_stage = f" / pp {pp}" if pp > 1 else ""   # a stage's ranks: its dp x tp
+    damage.expect(world % (pp * manifest["tp"]) == 0, "tp", f"a divisor of world_size {world}{per_stage}",
+                  manifest["tp"])
+    damage.expect((world // pp) % manifest["ep"] == 0, "ep", f"a divisor of world_size {world}{per_stage}",
+                  manifest["ep"])
+    if "pp_layers" in manifest:
+        damage.expect(len(manifest["pp_layers"]) == pp, "pp_layers", f"{pp} layer counts (one per stage)",
+                      manifest["pp_layers"])
     want = f"{rank_file(0, world)} .. {rank_file(world - 1, world)}"
     damage.expect(len(manifest["files"]) == world, "files", want, manifest["files"])  # before a list of world names
     damage.expect(manifest["files"] == [rank_file(r, world) for r in range(world)], "files", want, manifest["files"])
@@ -155,12 +166,15 @@ def check_manifest(manifest: dict, mpath: Path) -> None:
         damage.expect(entry.get("dtype") in SAFETENSORS_TO_TORCH, field + ".dtype", "a safetensors dtype",
                       entry.get("dtype"))
         damage.expect(_is_shape(entry.get("shape")), field + ".shape", SHAPE, entry.get("shape"))
+    stage_of = [(r // manifest["tp"]) % pp for r in range(world)]
     for name, entry in manifest["params"].items():
-        check_param(damage, manifest["params"], name, entry, world)
+        check_param(damage, manifest["params"], name, entry, stage_of)
 
 
-def check_param(damage: _Damage, params: dict, name: str, entry, world: int) -> None:
-    """One param's record: style, dtype, global shape, and an alias or one record per rank."""
+def check_param(damage: _Damage, params: dict, name: str, entry, stage_of: list[int]) -> None:
+    """One param's record: style, dtype, global shape, and an alias or one record per rank (null on the ranks
+    of the pipeline stages that lack it: those not in its pp_ranks). stage_of: per rank its stage."""
+    world = len(stage_of)
     field = f"params[{json.dumps(name)}]"
     damage.expect(isinstance(entry, dict), field, "an object with style, dtype, global_shape", entry)
     damage.expect(entry.get("style") in STYLES, field + ".style", f"one of {', '.join(STYLES)}", entry.get("style"))
@@ -168,6 +182,9 @@ def check_param(damage: _Damage, params: dict, name: str, entry, world: int) -> 
                   f"a safetensors dtype ({', '.join(sorted(SAFETENSORS_TO_TORCH))})", entry.get("dtype"))
     shape = entry.get("global_shape")
     damage.expect(_is_shape(shape), field + ".global_shape", SHAPE, shape)
+    stages = entry.get("pp_ranks", sorted(set(stage_of)))
+    damage.expect(isinstance(stages, list) and all(isinstance(x, int) and x in stage_of for x in stages),
+                  field + ".pp_ranks", f"the pipeline stages that hold it (0..{max(stage_of)})", stages)
     if "alias_of" in entry:
         to = entry["alias_of"]
         damage.expect(isinstance(to, str) and isinstance(params.get(to), dict) and "alias_of" not in params[to],
@@ -178,6 +195,8 @@ def check_param(damage: _Damage, params: dict, name: str, entry, world: int) -> 
                   f"a list of one record per rank ({world})", ranks)
     for r, rec in enumerate(ranks):
         at = f"{field}.ranks[{r}]"
+        if rec is None and stage_of[r] not in stages:
+            continue   # another pipeline stage's param
         damage.expect(isinstance(rec, dict), at, "an object with local_shape and offset", rec)
         local = rec.get("local_shape")
         damage.expect(_is_shape(local) and len(local) == len(shape), at + ".local_shape",

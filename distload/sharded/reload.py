@@ -50,10 +50,15 @@ class ShardedSource:
 
     def plan(self, manifest: dict, layout):
         if self.options.tp is None and manifest["world_size"] == layout.world:
-            layout = replace(layout, tp=manifest["tp"])  # no --tp: the saved one, on the saved world size
+            # no --tp: the saved layout (tp, pipeline stages), on the saved world size
+            pp_layers = manifest.get("pp_layers") if manifest.get("pp", 1) > 1 else None
+            layout = replace(layout, tp=manifest["tp"], pp=manifest.get("pp", 1),
+                             pp_layers=tuple(pp_layers) if pp_layers else None)
         staging = self.options.staging_bytes or DEFAULT_STAGING_BYTES
         if job_matches_save(manifest, layout):
-            return same_topology_plan(manifest, layout, staging)
+            saved_parts = manifest.get("pp_layers")
+            saved_stages = dict(pp_layers=tuple(saved_parts), pp_layers_from=MANIFEST) if saved_parts else {}
+            return same_topology_plan(manifest, replace(layout, **saved_stages), staging)
         self.resharded = True
         if not self.options.reshard:
             raise topology_refusal(str(self.root), manifest, layout)
@@ -79,7 +84,8 @@ class ShardedSource:
         return {}  # checked inside the transfer (after_transfer): each rank its own files
 
     def report_extra(self, manifest: dict, plan) -> dict:
-        saved = describe_topology(manifest["world_size"], manifest["tp"], manifest["ep"])
+        saved = describe_topology(manifest["world_size"], manifest["tp"], manifest["ep"], None,
+                                  manifest.get("pp", 1), manifest.get("pp_layers"))
         return {"saved_topology": saved, "resharded": self.resharded, "checksums": self.checksums}
 
 
@@ -175,9 +181,17 @@ def expected_checksums(plan, rank: int, manifest: dict) -> dict[str, list[tuple[
     return expected
 
 
+def stage_partition(layout, manifest: dict):
+    """The job's layers per stage for the save's model (None: the save does not say how many layers)."""
+    saved = manifest.get("pp_layers")
+    return layout.stage_partition(sum(saved)) if saved else None
+
+
 def job_matches_save(manifest: dict, layout) -> bool:
     saved = saved_layout(manifest)
-    if (saved.world, saved.tp, saved.ep) != (layout.world, layout.tp, layout.ep):
+    if (saved.world, saved.tp, saved.ep, saved.pp) != (layout.world, layout.tp, layout.ep, layout.pp):
+        return False
+    if saved.pp > 1 and stage_partition(layout, manifest) != saved.pp_layers:
         return False
     if saved.expert_map is None:
         return True
@@ -187,9 +201,12 @@ def job_matches_save(manifest: dict, layout) -> bool:
 
 def topology_refusal(path: str, manifest: dict, layout) -> PlanError:
     has_experts = any(e["style"] == "expert" for e in manifest["params"].values())
+    pp = manifest.get("pp", 1)
     saved = describe_topology(manifest["world_size"], manifest["tp"], manifest["ep"],
-                              manifest.get("expert_placement") if has_experts else None)
-    this = describe_topology(layout.world, layout.tp, layout.ep, layout.expert_placement if has_experts else None)
+                              manifest.get("expert_placement") if has_experts else None, pp, manifest.get("pp_layers"))
+    this = describe_topology(layout.world, layout.tp, layout.ep, layout.expert_placement if has_experts else None,
+                             layout.pp, stage_partition(layout, manifest) if layout.pp > 1 else None)
+    stages = f" --pp {pp} --pp-layers {','.join(map(str, manifest['pp_layers']))}" if pp > 1 else ""
     return PlanError(f"{path}: saved with {saved}; this job has {this}: pass --reshard to re-cut the shards for "
                      f"this job, or run with {manifest['world_size']} ranks (torchrun --nproc-per-node "
-                     f"{manifest['world_size']} ... --tp {manifest['tp']} --ep {manifest['ep']})")
+                     f"{manifest['world_size']} ... --tp {manifest['tp']}{stages} --ep {manifest['ep']})")

@@ -30,6 +30,7 @@ from ..errors import CheckpointError
 from ..plan.reshard import rank_file
 from ..transfer import all_gather_objects, broadcast_object
 from ..transfer.agreement import run_phase
+from ..report import stage_fields as rank_stage
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, byte_view, hidden, siblings
 
 log = logging.getLogger("distload")
@@ -208,15 +209,28 @@ def _swap_into_place(tmp: Path, out: Path, token: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def stage_specs(plan, specs: dict) -> dict:
+    """Every param some rank holds, by name: `specs` (this rank's) and, with pipeline stages, the first rank of
+    each stage's (the others hold the same names as their stage's first rank)."""
+    layout = plan.layout
+    out = {}
+    for r in range(0, layout.pp * layout.tp, layout.tp) if layout.pp > 1 else ():
+        out.update(plan.specs[r])
+    out.update(specs)
+    return out
+
+
 def _manifest(plan, specs: dict, records: list[dict], hf_config: dict, source: str, checkpoint_tensors: dict) -> dict:
     layout = plan.layout
     params = {}
-    for name, spec in sorted(specs.items()):
+    for name, spec in sorted(stage_specs(plan, specs).items()):
         entry = {"style": spec.style, "dtype": spec.dtype, "global_shape": list(spec.global_shape)}
         if spec.alias_of:
             entry["alias_of"] = spec.alias_of
         else:
-            entry["ranks"] = [rec[name] for rec in records]
+            entry["ranks"] = [rec.get(name) for rec in records]   # None: that rank's stage lacks the param
+        if layout.pp > 1:
+            entry["pp_ranks"] = sorted(s for s in range(layout.pp) if name in plan.specs[s * layout.tp])
         params[name] = entry
     return {
         "format": FORMAT,
@@ -224,6 +238,7 @@ def _manifest(plan, specs: dict, records: list[dict], hf_config: dict, source: s
         "world_size": layout.world,
         "tp": layout.tp,
         "ep": layout.ep,
+        **stage_fields(layout),
         "expert_placement": layout.expert_placement,
         "config_name": plan.family,
         "source_checkpoint": source,
@@ -233,3 +248,11 @@ def _manifest(plan, specs: dict, records: list[dict], hf_config: dict, source: s
         "params": params,
     }
 
+
+
+def stage_fields(layout) -> dict:
+    """The manifest's pipeline fields: pp, the layers per stage, and per rank its stage and layer range."""
+    if not layout.pp_layers:
+        return {"pp": layout.pp}
+    return {"pp": layout.pp, "pp_layers": list(layout.pp_layers),
+            "rank_stages": [rank_stage(layout, r) for r in range(layout.world)]}
