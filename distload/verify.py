@@ -26,6 +26,7 @@ from .divergence import first_divergence
 from .errors import DistloadError
 from .loader import run_load
 from .models import forward_for
+from .models.pipeline import forward_over_stages
 from .options import LoadOptions
 from .transfer import broadcast_object
 from .transfer.agreement import run_phase
@@ -191,12 +192,12 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
     if options.quantize:
         raise DistloadError(f"verify --quantize {options.quantize}: the reference forward computes with the "
                             "checkpoint's weights, not fp8 ones and their scales; verify without --quantize")
-    # The forward splits over the whole world; data-parallel replicas (tp < world) would need a TP subgroup.
+    # The forward splits each stage over its tp ranks; data-parallel replicas would need subgroups per replica.
     layout = topology.from_environment(options).layout
-    if layout.tp != layout.world:
-        raise DistloadError(f"verify --tp {layout.tp} on {layout.world} ranks: verify runs one tensor-parallel "
-                            f"group; launch {layout.tp} ranks (torchrun --nproc-per-node {layout.tp}) or pass "
-                            f"--tp {layout.world}")
+    if layout.tp * layout.pp != layout.world:
+        raise DistloadError(f"verify --tp {layout.tp} --pp {layout.pp} on {layout.world} ranks: verify runs one "
+                            f"replica (world = tp x pp); launch {layout.tp * layout.pp} ranks (torchrun "
+                            f"--nproc-per-node {layout.tp * layout.pp}) or pass --tp {layout.world // layout.pp}")
     result = run_load(path, options)
     layout, rank, config = result.plan.layout, result.rank, result.config
 
@@ -207,11 +208,14 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
                                 f"(config.json vocab_size={vocab}); use ids in 0..{vocab - 1}")
         device = next(iter(result.params.values())).device
         run = forward_for(config)
+        ids = torch.tensor(input_ids, device=device)
+        experts = dict(local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep, dtype=torch_dt)
+        if layout.pp > 1:
+            return stage_by_stage(run, result.params, config, ids, rank, layout, experts)
         # The residual stream is whole on every rank after each all-reduce: rank 0's record is the model's.
         hidden = {} if "hidden_states" in inspect.signature(run).parameters else None
-        logits = run(result.params, config, torch.tensor(input_ids, device=device), tp_rank=layout.tp_rank(rank),
-                     tp_size=layout.tp, local_expert_ids=local_expert_ids(result.specs), ep_size=layout.ep,
-                     dtype=torch_dt, **({} if hidden is None else {"hidden_states": hidden}))
+        logits = run(result.params, config, ids, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, **experts,
+                     **({} if hidden is None else {"hidden_states": hidden}))
         return logits, hidden
 
     logits, hidden = run_phase("forward", run_forward)
@@ -220,9 +224,20 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
         if rank != 0:
             return None
         against = "" if reference in (None, path) else f", against {reference}"
+        stages = f", pp {layout.pp}" if layout.pp > 1 else ""
         header = (f"distload verify: {path}: {len(input_ids)} tokens, vocab {config['vocab_size']}, "
-                  f"world {layout.world} (tp {layout.tp}, ep {layout.ep}), forward in {dtype}{against}")
+                  f"world {layout.world} (tp {layout.tp}{stages}, ep {layout.ep}), forward in {dtype}{against}")
         return _judge(path, reference or path, logits, hidden, input_ids, tolerance, logits_file, header)
 
     verdict = broadcast_object(run_phase("compare", judge), src=0)
     return Verification(verdict=verdict, logits=logits, tp=layout.tp, ep=layout.ep)
+
+
+def stage_by_stage(run, params: dict, config: dict, ids: torch.Tensor, rank: int, layout, experts: dict):
+    """(logits, hidden states) of the forward run stage after stage, each stage over its own layers."""
+    if "layers" not in inspect.signature(run).parameters:
+        raise DistloadError(f"verify --pp {layout.pp}: the reference forward of model_type "
+                            f"{config.get('model_type')!r} runs without pipeline stages; verify it with --pp 1")
+    layers = layout.stage_layers(layout.pp_rank(rank), sum(layout.pp_layers))  # the partition the plan used
+    return forward_over_stages(run, params, config, ids, rank=rank, tp=layout.tp, pp=layout.pp, layers=layers,
+                               **experts)

@@ -53,9 +53,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "internlm2_mqa": ("internlm2", dict(num_key_value_heads=1)),
 }
 PP_VARIANTS: dict[str, tuple[str, dict]] = {"llama_3layers": ("llama", dict(num_hidden_layers=3)),
-                                            "llama_4layers_tied": ("llama_mqa_tied", dict(num_hidden_layers=4))}
+                                            "llama_4layers_tied": ("llama_mqa_tied", dict(num_hidden_layers=4)),
+                                            "phi3": ("phi3", {}), "qwen3_moe": ("qwen3_moe", {})}
 # (tp, pp, variants) on 4 ranks: 3 layers split 2 + 1 as vLLM does; tied embeddings on first and last stage
 PP_LAYOUTS = ((2, 2, ("llama_3layers", "gemma3", "gpt2")), (1, 4, ("llama_4layers_tied",)))
+# `distload verify --pp` end to end on 4 ranks (the loader's stages, then the forward over them): (tp, pp, ep, variants)
+PP_VERIFY = ((2, 2, 1, ("llama_3layers", "phi3", "gpt2", "qwen3_moe")), (2, 2, 2, ("qwen3_moe",)),
+             (1, 4, 1, ("llama_4layers_tied",)))
 WRONG_WQKV = ('name = "internlm2_wrong"\narchitectures = ["X"]\nextends = "internlm2"\n'
               '[params."model.layers.{layer}.attention.wqkv.weight"]\nstyle = "qkv"\n')
 
@@ -223,6 +227,9 @@ def _session(refs: dict, wrong_rules: str) -> dict:
     if world == 4:
         out["pipeline"] = _pipeline(refs, rank)
         out["stages_for_verify"] = _stages_for_verify(refs, rank)
+        out["verify_pp"] = [(name, tp, pp, ep, verify(refs[name]["ckpt"], input_ids=INPUT_IDS, tolerance=TOL, tp=tp,
+                                                      pp=pp, ep=ep, progress=False).verdict)
+                            for tp, pp, ep, names in PP_VERIFY for name in names]
     return out
 
 
@@ -282,6 +289,15 @@ def test_pipeline_stages_match_transformers(sessions):
                 assert rel is None, (rank, name, tp, pp)
             else:
                 assert rel < TOL_FORWARD and same, (rank, name, tp, pp, rel, same)
+
+
+def test_verify_pp_loads_stages_and_matches_transformers(sessions):
+    """`verify --tp T --pp P`: each rank loads only its stage (the loader's plan), the forward runs stage after
+    stage, and every rank gets the same verdict: transformers' logits."""
+    for rank, s in enumerate(sessions(4)):
+        assert len(s["verify_pp"]) == sum(len(names) for *_, names in PP_VERIFY)
+        for name, tp, pp, ep, verdict in s["verify_pp"]:
+            assert verdict.ok and verdict.max_rel < TOL, (rank, name, tp, pp, ep, verdict.message)
 
 
 def test_first_divergence_names_the_layer():
