@@ -18,11 +18,11 @@ PROMPT = [1, 17, 42, 99, 7, 3, 150, 64]
 STEPS = 16
 
 
-def serve_once(ckpt: str, load_format: str, ep: bool, tokens: bool, extra: dict) -> dict:
+def serve_once(ckpt: str, load_format: str, ep: bool, tokens: bool, extra: dict, pp: int = 1) -> dict:
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(ckpt, tensor_parallel_size=2, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+    llm = LLM(ckpt, tensor_parallel_size=2 // pp, pipeline_parallel_size=pp, dtype="bfloat16", enforce_eager=True, max_model_len=128,
               distributed_executor_backend="mp", skip_tokenizer_init=True, enable_expert_parallel=ep,
               load_format=load_format, model_loader_extra_config=extra,
               worker_extension_cls="vllm_probe.StateProbe")
@@ -41,9 +41,10 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--ep", action="store_true")
     parser.add_argument("--tokens", action="store_true")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (of the 2 ranks)")
     parser.add_argument("--extra", default="{}")
     args = parser.parse_args()
-    result = serve_once(args.ckpt, args.load_format, args.ep, args.tokens, json.loads(args.extra))
+    result = serve_once(args.ckpt, args.load_format, args.ep, args.tokens, json.loads(args.extra), args.pp)
     Path(args.out).write_text(json.dumps(result))
 
 

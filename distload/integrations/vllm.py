@@ -98,19 +98,20 @@ def destinations(model: nn.Module, profile: NamingProfile):
 
 
 def instance_shape() -> dict:
-    """This worker in its vLLM instance: rank, world, tp, ep and expert placement, from vLLM's groups.
+    """This worker in its vLLM instance: rank, world, tp, pp, ep and expert placement, from vLLM's groups.
 
     distload's collectives run on torch.distributed's default group, which is vLLM's world group: it
-    must be exactly this instance's tensor-parallel group (one pipeline stage, no data parallelism)."""
+    must be exactly this instance's tp x pp ranks (no data parallelism). vLLM orders them as distload does
+    (rank = pp_rank * tp + tp_rank) and splits the layers as distload does (VLLM_PP_LAYER_PARTITION too)."""
     parallel = get_current_vllm_config().parallel_config
     world_group, tp_group = parallel_state.get_world_group(), parallel_state.get_tp_group()
-    world, pp = world_group.world_size, parallel_state.get_pp_group().world_size
-    if pp != 1 or tp_group.world_size != world:
-        raise DistloadError(f"load_format='distload' loads one tensor-parallel group that is the whole "
-                            f"torch.distributed world; this instance has tp {tp_group.world_size}, pp {pp}, "
-                            f"world {world}: use load_format='safetensors' with pipeline or data parallelism")
-    ep = world if parallel.enable_expert_parallel else 1  # vLLM's EP group spans the TP ranks
-    return dict(rank=world_group.rank, world=world, tp=world, ep=ep,
+    world, tp, pp = world_group.world_size, tp_group.world_size, parallel_state.get_pp_group().world_size
+    if tp * pp != world:
+        raise DistloadError(f"load_format='distload' loads one replica of tp x pp ranks that is the whole "
+                            f"torch.distributed world; this instance has tp {tp}, pp {pp}, world {world}: use "
+                            f"load_format='safetensors' with data parallelism")
+    ep = tp if parallel.enable_expert_parallel else 1  # vLLM's EP group spans a stage's TP ranks
+    return dict(rank=world_group.rank, world=world, tp=tp, pp=pp, ep=ep,
                 expert_placement=parallel.expert_placement_strategy)
 
 
@@ -140,10 +141,13 @@ def fill_from_checkpoint(path: str, into: dict[str, torch.Tensor], shape: dict, 
     another shape / dtype) before any weight byte is read, then load into `into` in place. Returns the report."""
     rank = shape["rank"]
     device = next(iter(into.values())).device
-    options = options.replace(tp=shape["tp"], ep=shape["ep"], expert_placement=shape["expert_placement"],
-                              device=str(device))
+    options = options.replace(tp=shape["tp"], pp=shape.get("pp", 1), ep=shape["ep"],
+                              expert_placement=shape["expert_placement"], device=str(device))
     with _torchrun_identity(rank, shape["world"]):
         plan = inspect_load(path, options, world=shape["world"]).plan
+        if options.pp > 1:  # vLLM keeps some of the other stages' params (embedding, norm, head) unfilled
+            elsewhere = {n for r in range(shape["world"]) for n in plan.specs[r]} - set(plan.specs[rank])
+            into = {n: t for n, t in into.items() if n not in elsewhere}
         check_destinations(into, plan.specs[rank], plan.family, options.config)
         result = run_load(path, options, into=into)
     return result.report
