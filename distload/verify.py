@@ -195,7 +195,8 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
     # The forward splits each stage over its tp ranks; data-parallel replicas would need subgroups per replica.
     layout = topology.from_environment(options).layout
     if layout.tp * layout.pp != layout.world:
-        raise DistloadError(f"verify --tp {layout.tp} --pp {layout.pp} on {layout.world} ranks: verify runs one "
+        stages = f" --pp {layout.pp}" if layout.pp > 1 else ""
+        raise DistloadError(f"verify --tp {layout.tp}{stages} on {layout.world} ranks: verify runs one "
                             f"replica (world = tp x pp); launch {layout.tp * layout.pp} ranks (torchrun "
                             f"--nproc-per-node {layout.tp * layout.pp}) or pass --tp {layout.world // layout.pp}")
     result = run_load(path, options)
