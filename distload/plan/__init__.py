@@ -13,12 +13,15 @@
     quant.py          FP8 schemes and the scale companions of quantized weights
     quant_layouts.py  the companions' cuts, derived from their weights'
     quant_steps.py    final specs and post-load steps (requantize, quantize, dequantize)
+    quant4*.py        packed 4-bit checkpoints (GPTQ, AWQ, compressed-tensors, NVFP4, NF4; MXFP4 experts)
+    transpose.py      params stored transposed (GPT-2's Conv1D): staged as stored, turned after landing
+    bounds.py         loop values config.json claims, bounded by what the checkpoint holds
     expected_shapes.py  every claimed tensor's full shape and dtype, from the rules' shape/dtype keys
     build.py          build_plan: the above in order
     collector.py      the cyclic garbage collector paused while planning
     wire.py           per bucket and rank: the wire ops each side posts (sender and receiver agree)
     reshard.py        plans that reload (and re-cut) a sharded save
-    stages.py         pipeline stages: the layers each stage holds (vLLM's split)
+    pipeline.py       pipeline stages: which ranks hold each param (distload/stages.py: the layer split)
 """
 
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
