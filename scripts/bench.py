@@ -271,19 +271,20 @@ def warm_up(ckpt: Path, files: list[str]) -> None:
 
 class Context:
     def __init__(self, ckpt: Path, staging_mib: int | None, loaders: list[str], device: str = "cpu",
-                 tp: int | None = None):
+                 tp: int | None = None, pp: int = 1):
         import torch.distributed as dist
 
         import distload
 
         self.ckpt, self.staging_mib, self.device = ckpt, staging_mib, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.tp = tp or self.world  # ranks beyond tp: data-parallel replicas holding the same shards
+        self.pp = pp  # pipeline stages: a rank holds only its stage's layers
+        self.tp = tp or self.world // pp  # ranks beyond tp x pp: data-parallel replicas holding the same shards
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.files = weight_files(ckpt)
         # The serving layout every loader must produce: distload's plan (a pure function), made here, outside
         # the timed region of the other loaders.
-        self.plan = distload.inspect(ckpt, tp=self.tp, world=self.world, local_world=self.local_world)
+        self.plan = distload.inspect(ckpt, tp=self.tp, pp=pp, world=self.world, local_world=self.local_world)
         self.mine: dict[str, list] = {}
         for name, src in self.plan.sources.items():
             for d in src.deliveries:
@@ -361,7 +362,7 @@ class Context:
 def load_distload(ctx: Context, readers, read_strategy: str | None = None):
     import distload
 
-    result = distload.load(ctx.ckpt, tp=ctx.tp, readers=readers, staging_mib=ctx.staging_mib, progress=False,
+    result = distload.load(ctx.ckpt, tp=ctx.tp, pp=ctx.pp, readers=readers, staging_mib=ctx.staging_mib, progress=False,
                            device=ctx.device, read_strategy=read_strategy)
     return result.params, result.report["per_rank"][ctx.rank]["bytes_received"]
 
@@ -374,6 +375,8 @@ def load_every_rank_reads(ctx: Context, huge_pages: bool = False):
     for f in ctx.files:
         with safe_open(str(ctx.ckpt / f), framework="pt") as fh:
             for name in fh.keys():
+                if ctx.pp > 1 and name not in ctx.mine:
+                    fh.get_tensor(name)  # vLLM's iterator reads every tensor; the model skips other stages'
                 for param, piece in ctx.mine.get(name, ()):
                     rows = slice(*piece.rows)
                     sl = fh.get_slice(name)
@@ -526,7 +529,7 @@ def worker(args) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = Path(args.checkpoint)
     loaders = args.loaders.split(",")
-    ctx = Context(ckpt, args.staging_mib, loaders, f"cuda:{local_rank}" if on_cuda else "cpu", args.tp)
+    ctx = Context(ckpt, args.staging_mib, loaders, f"cuda:{local_rank}" if on_cuda else "cpu", args.tp, args.pp)
 
     def finished() -> float:  # device copies are asynchronous: a load ends when they are done
         if on_cuda:
@@ -647,6 +650,8 @@ def worker_args(ckpt: str, jsonl: Path, args, loaders: list[str]) -> list[str]:
         out += ["--device", args.device]
     if args.tp:
         out += ["--tp", str(args.tp)]
+    if args.pp > 1:
+        out += ["--pp", str(args.pp)]
     return out
 
 
@@ -940,6 +945,7 @@ def main(argv=None) -> int:
     w.add_argument("--warmup", type=int, default=1)
     w.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     w.add_argument("--tp", type=int, default=None)
+    w.add_argument("--pp", type=int, default=1)
     p.add_argument("--checkpoint", default=None, help="benchmark this checkpoint (default: build one in --workdir)")
     p.add_argument("--size-gib", type=float, default=1.0, help="size of the built checkpoint")
     p.add_argument("--files", type=int, default=4, help="safetensors files in the built checkpoint")
@@ -953,6 +959,9 @@ def main(argv=None) -> int:
                    help="emulate --nodes nodes x --node-ranks ranks (default auto; --quick: off)")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes of that scenario (default 2)")
     p.add_argument("--node-ranks", type=int, default=2, help="ranks per emulated node (default 2)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (every-rank-reads then reads every tensor on every rank, as vLLM's "
+                        "default loader does under PP, and keeps its stage's)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (default: the world; below it the other ranks are replicas: "
                         "loaders every-rank-reads and distload* only)")
@@ -978,7 +987,7 @@ def main(argv=None) -> int:
     ranks = [int(x) for x in ranks_text.split(",") if x]
     two_nodes = args.two_nodes or ("off" if args.quick or on_cuda else "auto")
     chosen = (args.loaders or ",".join(LOADERS)).split(",")
-    if args.tp and {"fastsafetensors", "dcp"} & set(chosen):
+    if (args.tp or args.pp > 1) and {"fastsafetensors", "dcp"} & set(chosen):
         raise SystemExit("--tp: fastsafetensors and dcp split over the whole world here; pass --loaders "
                          "distload,every-rank-reads (or other distload-* loaders)")
     if on_cuda:
