@@ -119,6 +119,19 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     return out
 
 
+def in_top_groups(scores: torch.Tensor, n_group: int, topk_group: int, group_score) -> torch.Tensor:
+    """bool [T, E]: the experts of the topk_group groups (of n_group contiguous groups) that `group_score`
+    ([T, n_group, E / n_group] -> [T, n_group]) ranks highest, per token."""
+    tokens, n_experts = scores.shape
+    if n_experts % n_group:
+        raise DistloadError(f"n_group={n_group} must divide the {n_experts} routed experts (config.json)")
+    per_group = n_experts // n_group
+    group_scores = group_score(scores.view(tokens, n_group, per_group))
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    return group_mask.unsqueeze(-1).expand(tokens, n_group, per_group).reshape(tokens, n_experts).bool()
+
+
 def grouped_topk_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, *, top_k: int,
                        n_group: int, topk_group: int, norm_topk: bool,
                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,15 +141,8 @@ def grouped_topk_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bi
     Returns (weights float32 [T, k], chosen ids [T, k])."""
     scores = F.linear(x.float(), gate_weight.float()).sigmoid()
     choice = scores + correction_bias.float()
-    tokens, n_experts = choice.shape
-    if n_experts % n_group:
-        raise DistloadError(f"n_group={n_group} must divide the {n_experts} routed experts (config.json)")
-    per_group = n_experts // n_group
-    group_scores = choice.view(tokens, n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(tokens, n_group, per_group).reshape(tokens, n_experts)
-    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    keep = in_top_groups(choice, n_group, topk_group, lambda g: g.topk(min(2, g.shape[-1]), dim=-1)[0].sum(dim=-1))
+    choice = choice.masked_fill(~keep, float("-inf"))
     chosen = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, chosen)
     if norm_topk:
@@ -151,14 +157,8 @@ def softmax_topk_route(x: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int
     renormalised) times routed_scaling_factor. Returns (weights float32 [T, k], chosen ids [T, k])."""
     scores = F.linear(x.float(), gate_weight.float()).softmax(dim=-1)
     if method == "group_limited_greedy":
-        tokens, n_experts = scores.shape
-        if n_experts % n_group:
-            raise DistloadError(f"n_group={n_group} must divide the {n_experts} routed experts (config.json)")
-        group_scores = scores.view(tokens, n_group, n_experts // n_group).max(dim=-1).values
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        keep = group_mask.unsqueeze(-1).expand(tokens, n_group, n_experts // n_group).reshape(tokens, n_experts)
-        scores = scores.masked_fill(~keep.bool(), 0.0)
+        keep = in_top_groups(scores, n_group, topk_group, lambda g: g.max(dim=-1).values)
+        scores = scores.masked_fill(~keep, 0.0)
     elif method != "greedy":
         raise DistloadError(f"topk_method={method!r}: the DeepSeek-V2 reference forward implements 'greedy' and "
                             "'group_limited_greedy'")
