@@ -1,11 +1,11 @@
-"""distload/plan/stages.py: vLLM's layer split for pipeline stages, and the refusals with the numbers."""
+"""distload/stages.py: vLLM's layer split for pipeline stages, and the refusals with the numbers."""
 
 from __future__ import annotations
 
 import pytest
 
 from distload.errors import PlanError
-from distload.plan.stages import parse_partition, pp_layer_range, pp_partition
+from distload.stages import parse_partition, pp_layer_range, pp_partition
 
 
 @pytest.mark.parametrize("layers,pp,ranges", [

@@ -170,7 +170,7 @@ def _pipeline(refs: dict, rank: int) -> list[tuple[str, int, int, float | None, 
     """tp 2 x pp 2 and tp 1 x pp 4 on 4 ranks, vLLM's rank order (rank = pp_rank * tp + tp_rank): per case
     (variant, tp, pp, rel err, argmax same), the last two None on ranks of the stages before the last."""
     from distload.models import forward
-    from distload.plan.stages import pp_layer_range
+    from distload.stages import pp_layer_range
     from distload.transfer.stage_links import new_groups
 
     results = []
@@ -198,7 +198,7 @@ def _stages_for_verify(refs: dict, rank: int) -> tuple[float, bool, list[int]]:
     hidden states of both stages."""
     from distload.models import forward
     from distload.models.pipeline import forward_over_stages
-    from distload.plan.stages import pp_layer_range
+    from distload.stages import pp_layer_range
 
     r = refs["llama_3layers"]
     config = read_config(r["ckpt"])
