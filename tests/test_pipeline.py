@@ -163,6 +163,48 @@ def test_plan_refusals_name_the_numbers(checkpoints, monkeypatch):
             monkeypatch.delenv(PARTITION_ENV, raising=False)
 
 
+def test_expert_maps_place_each_stage_on_its_own_with_replicas(checkpoints):
+    """--expert-map under pp 2 x dp 2 (world 8, tp 2, ep 2): each stage's expert groups (its dp x tp ranks, vLLM's
+    EP group) host what the map gives them, and the stages may place their experts differently."""
+    import distload
+    from hf_models import read_config
+    from layout_oracle import serving_shards
+    from test_moe import num_experts
+    from test_plan import arange_values, assert_coverage, assert_each_byte_read_once, materialise_through_buckets
+
+    from distload.checkpoint import discover
+
+    path = checkpoints["qwen3_moe"]
+    index = discover(path)
+    values, config = arange_values(dict(index.tensors)), read_config(path)
+    n = num_experts(config)
+    a, b = tuple(range(n // 2)), tuple(range(n // 2, n))
+    # rank = (dp * pp + stage) * tp + t: stage 0 is ranks 0,1,4,5 (groups {0,1}, {4,5}); stage 1 is 2,3,6,7
+    stage1_swapped = (a, a, b, b, b, b, a, a)
+    stage1_one_group_hosts_all = (a, a, a + b, a + b, b, b, b, b)
+    ranges = [(0, 3), (3, 5)]
+    for emap in (stage1_swapped, stage1_one_group_hosts_all):
+        plan = distload.inspect(path, tp=2, pp=2, ep=2, world=8, expert_map=emap)
+        assert_each_byte_read_once(plan)
+        for rank in range(8):
+            stage = (rank // 2) % 2
+            # dense params cut by tp 2; experts split over an expert group (2 of the stage's 4 ranks, dp-major)
+            in_stage = (rank // 4) * 2 + rank % 2
+            want = serving_shards(values, config, rank % 2, 2)
+            experts = serving_shards(values, config, in_stage, 4, 2, list(emap[rank]))
+            want.update({k: v for k, v in experts.items() if ".experts." in k})
+            want = {k: v for k, v in want.items() if on_stage(k, stage, 2, ranges[stage], False)}
+            assert set(plan.specs[rank]) == set(want), (emap, rank, set(plan.specs[rank]) ^ set(want))
+            assert_coverage(plan, rank)
+            assert not differences(materialise_through_buckets(plan, rank, values), want, f"{emap} rank {rank}")
+    with pytest.raises(DistloadError) as e:     # stage 1 hosts only half the experts
+        distload.inspect(path, tp=2, pp=2, ep=2, world=8, expert_map=(a, a, a, a, b, b, a, a))
+    assert "pipeline stage 1" in str(e.value) and str(list(b)) in str(e.value), str(e.value)
+    with pytest.raises(DistloadError) as e:     # ranks 2 and 3 form one expert group of stage 1
+        distload.inspect(path, tp=2, pp=2, ep=2, world=8, expert_map=(a, a, a, b, b, b, b, a))
+    assert "ranks 2 and 3 are in one expert group" in str(e.value), str(e.value)
+
+
 def test_inspect_prints_the_stage_split(checkpoints):
     from distload.inspect_cmd import describe_plan, inspect_load, stage_split
     from distload.options import LoadOptions

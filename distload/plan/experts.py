@@ -55,9 +55,16 @@ def expert_placement(num_experts: int, layout: Layout) -> Placement:
     distinct: dict[tuple[int, ...], int] = {}
     for ids in group_hosts:
         distinct.setdefault(ids, len(distinct))
-    keys = [(distinct[group_hosts[layout.ep_rank(r)]], layout.rank_in_expert_group(r)) for r in range(layout.world)]
+    keys = [(distinct[group_hosts[expert_group(layout, r)]], layout.rank_in_expert_group(r))
+            for r in range(layout.world)]
     period = _period(keys)
     return Placement(layout.world, layout.expert_group_size, tuple(distinct), tuple(keys[:period]))
+
+
+def expert_group(layout: Layout, rank: int) -> int:
+    """`rank`'s expert group, numbered across the job: each pipeline stage has its own `ep` groups (vLLM forms
+    the EP group from one stage's dp x tp ranks), so an EPLB map may place a stage's experts differently."""
+    return layout.pp_rank(rank) * layout.ep + layout.ep_rank(rank)
 
 
 def _period(keys: list) -> int:
@@ -77,28 +84,35 @@ def _placed_hosts(num_experts: int, layout: Layout) -> list[tuple[int, ...]]:
                         f"(try --ep {', '.join(map(str, ok))})")
     per = num_experts // layout.ep
     if layout.expert_placement == "linear":
-        return [tuple(range(k * per, (k + 1) * per)) for k in range(layout.ep)]
-    return [tuple(range(k, num_experts, layout.ep)) for k in range(layout.ep)]
+        groups = [tuple(range(k * per, (k + 1) * per)) for k in range(layout.ep)]
+    else:
+        groups = [tuple(range(k, num_experts, layout.ep)) for k in range(layout.ep)]
+    return groups * layout.pp    # every stage places its layers' experts alike
 
 
 def _mapped_hosts(num_experts: int, layout: Layout) -> list[tuple[int, ...]]:
-    """An explicit --expert-map, checked: every expert hosted, ids in range, one id set per expert group.
-    The map is a per-rank table by its nature (the user wrote one); it is checked once, and planning keeps
-    one host set per expert group."""
+    """An explicit --expert-map, checked: ids in range, every expert hosted on every pipeline stage (each stage
+    serves its layers' experts), one id set per expert group. The map is a per-rank table by its nature (the user
+    wrote one); it is checked once, and planning keeps one host set per expert group."""
     emap = layout.expert_map
     if len(emap) != layout.world:
         raise PlanError(f"--expert-map has {len(emap)} rank entries; the world size is {layout.world}")
     bad = sorted({e for ids in emap for e in ids if not 0 <= e < num_experts})
     if bad:
         raise PlanError(f"--expert-map names experts {bad} outside 0..{num_experts - 1}")
-    unhosted = sorted(set(range(num_experts)) - {e for ids in emap for e in ids})
-    if unhosted:
-        raise PlanError(f"--expert-map hosts no rank for experts {unhosted}; every expert needs a host")
-    g = layout.expert_group_size
+    for stage in range(layout.pp):
+        ranks = [r for r in range(layout.world) if layout.pp_rank(r) == stage]
+        unhosted = sorted(set(range(num_experts)) - {e for r in ranks for e in emap[r]})
+        if unhosted:
+            where = f" on pipeline stage {stage} (ranks {ranks})" if layout.pp > 1 else ""
+            raise PlanError(f"--expert-map hosts no rank for experts {unhosted}{where}; every expert needs a host")
+    first: dict[int, int] = {}
     for r in range(layout.world):
-        if sorted(emap[r]) != sorted(emap[r - r % g]):
-            raise PlanError(f"--expert-map: ranks {r - r % g} and {r} are in one expert group (size {g}, "
-                            f"ep={layout.ep}) and split its experts by TP, so they must host the same ids")
+        lead = first.setdefault(expert_group(layout, r), r)
+        if sorted(emap[r]) != sorted(emap[lead]):
+            raise PlanError(f"--expert-map: ranks {lead} and {r} are in one expert group (size "
+                            f"{layout.expert_group_size}, ep={layout.ep}) and split its experts by TP, so they "
+                            f"must host the same ids")
         if len(set(emap[r])) != len(emap[r]):
             raise PlanError(f"--expert-map: rank {r} lists an expert twice: {list(emap[r])}")
-    return [tuple(sorted(emap[k * g])) for k in range(layout.ep)]
+    return [tuple(sorted(emap[first[g]])) for g in range(layout.pp * layout.ep)]
