@@ -91,7 +91,7 @@ def _phase(name: str, fn):
     return run_phase(f"refit ({name})", fn)
 
 
-def _destination(target, config, tp: int | None, ep: int, rules_path: str | None):
+def _destination(target, config, layout_options: LoadOptions, rules_path: str | None):
     """(params, current specs or None, layout, config, rules, current version) for a LoadResult, module or dict."""
     if isinstance(target, LoadResult):
         rules = rules_for(target.config, rules_path)
@@ -109,7 +109,7 @@ def _destination(target, config, tp: int | None, ep: int, rules_path: str | None
         params = {n: data_of.setdefault(id(p), p.data) for n, p in target.named_parameters(remove_duplicate=False)}
     else:
         params = dict(target)
-    layout = topology.from_environment(LoadOptions(tp=tp, ep=ep)).layout
+    layout = topology.from_environment(layout_options).layout
     return params, None, layout, config, rules_for(config, rules_path), 0
 
 
@@ -150,11 +150,13 @@ def _mismatches(plan, rank: int, current: dict | None, params: dict) -> list[str
 
 
 def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int | None = None, config=None,
-          tp: int | None = None, ep: int = 1, rules: str | None = None, partial: bool = False,
+          tp: int | None = None, ep: int = 1, pp: int = 1, pp_layers=None, rules: str | None = None,
+          partial: bool = False,
           staging_mib: int | None = None, quantize: str | None = None, dequantize: bool = False) -> Refit:
     """Push `named_tensors` (checkpoint names -> full tensors, on rank `src`; ignored elsewhere) into `target`
-    on every rank: a LoadResult (its version advances), an nn.Module or a dict of params in the serving layout
-    (then pass config= and tp=/ep=). `partial=True` allows updating a subset of the params (each one whole).
+    on every rank: a LoadResult (its version advances; its layout, pipeline stages included, is the load's), an
+    nn.Module or a dict of params in the serving layout (then pass config= and tp= / ep= / pp= / pp_layers=:
+    under pp a rank's params are its stage's, and it receives only those). `partial=True` allows updating a subset of the params (each one whole).
     quantize= / dequantize= as given to the load (an online-quantized load refits from high-precision
     tensors). Call it on every rank. Returns the acknowledged version."""
     if group is not None:
@@ -167,7 +169,7 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tensors = dict(named_tensors or {}) if rank == src else {}  # an iterator of pairs is consumed once, here
     params, current, layout, hf_config, family, current_version = _phase(
-        "target", lambda: _destination(target, config, tp, ep, rules))
+        "target", lambda: _destination(target, config, LoadOptions(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), rules))
     if not 0 <= src < layout.world:
         raise DistloadError(f"refit: src={src} is not a rank of this job (world {layout.world})")
     new_version, meta = _phase("metadata", lambda: _announce(rank, src, version, tensors))

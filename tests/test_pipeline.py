@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distload.errors import DistloadError
 from distload.stages import PARTITION_ENV
@@ -220,7 +221,34 @@ def test_inspect_prints_the_stage_split(checkpoints):
 
 # --- Real loads on 4 gloo ranks: one process group, every case ------------------------------------------------------
 
-def _load_every_case(checkpoints: dict, out_dir: str) -> dict:
+def _refit_stages(path: str, changed: str, rank: int) -> list[str]:
+    """Live refit of a tp 2 x pp 2 load from the last stage's rank 3: each rank's stage takes the new weights,
+    and a rank receives exactly its own stage's shards (nothing of the other stage's layers); then a refit into
+    a plain dict of params given pp=."""
+    import distload
+    from hf_models import checkpoint_tensors, read_config
+
+    ranges = [(0, 3), (3, 5)]
+    result = distload.load(path, tp=2, pp=2, progress=False, staging_mib=0.05)
+    new = checkpoint_tensors(changed)
+    want = expected_shards(new, read_config(changed), rank, 2, 2, 1, ranges)
+    done = distload.refit(result, new if rank == 3 else None, src=3, staging_mib=1)
+    problems = differences(result.params, want, f"refit pp 2 rank {rank}")
+    # what a rank is sent: its stage's shards, less the vocab padding rows it zero-fills itself
+    padded = sum((r1 - r0) * (c1 - c0) * t.element_size() for n, t in want.items()
+                 for r0, r1, c0, c1 in result.specs[n].padding)
+    mine = sum(t.numel() * t.element_size() for t in want.values()) - padded
+    received = done.report["per_rank"][rank]["bytes_received"]
+    if rank != 3 and received != mine:
+        problems.append(f"refit pp 2: rank {rank} received {received} bytes, its stage's shards are {mine}")
+    plain = {n: torch.zeros_like(t) for n, t in result.params.items()}
+    distload.refit(plain, checkpoint_tensors(path) if rank == 0 else None, src=0, config=path, tp=2, pp=2, version=5)
+    problems += differences(plain, expected_shards(checkpoint_tensors(path), read_config(path), rank, 2, 2, 1, ranges),
+                            f"refit pp 2 into a dict rank {rank}")
+    return problems
+
+
+def _load_every_case(checkpoints: dict, out_dir: str, changed: str) -> dict:
     import os
 
     import torch.distributed as dist
@@ -242,6 +270,7 @@ def _load_every_case(checkpoints: dict, out_dir: str) -> dict:
             where = f"{family} tp {tp} pp {pp} ep {ep} layers {parts or env} rank {rank}"
             problems += differences(result.params, expected_shards(hf, config, rank, tp, pp, ep, ranges), where)
             reports[family, tp, pp, ep, parts, env] = result.report
+    problems += _refit_stages(checkpoints["llama"], changed, rank)
     # A sharded save of a pipeline layout reloads as it is, and reshards to another pp.
     path = checkpoints["llama_mqa_tied"]
     hf, config = checkpoint_tensors(path), read_config(path)
@@ -278,7 +307,8 @@ def _load_every_case(checkpoints: dict, out_dir: str) -> dict:
 def test_loads_on_four_ranks_hold_exactly_their_stage(checkpoints, tmp_path):
     import json
 
-    results = run_ranks(4, _load_every_case, checkpoints, str(tmp_path), timeout=900)
+    changed = str(save_checkpoint("llama", tmp_path / "llama-step2", seed=2, num_hidden_layers=LAYERS))
+    results = run_ranks(4, _load_every_case, checkpoints, str(tmp_path), changed, timeout=900)
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:30])
     for key, report in results[0]["reports"].items():
