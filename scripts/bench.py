@@ -14,7 +14,10 @@ preallocated serving-layout params (vLLM's names and shards) on every rank:
 - distload-owners: this project with `--readers owners` (one node only): every rank copies its own pieces
                    from the page cache (distload/owner_reads.py);
 - every-rank-reads: vLLM's default loader: each rank `safe_open`s every file and copies its own slices
-                   (`get_slice`) into its params;
+                   (`get_slice`) into its params (vLLM 0.32's iterator `get_tensor`s every tensor whole, so
+                   this baseline reads less than vLLM under TP; under --pp it reads other stages' tensors whole,
+                   as vLLM does; under EP vLLM skips other ranks' expert weights before reading
+                   (ep_weight_filter.py): the checkpoints here are dense, an MoE run must skip them too);
 - fastsafetensors: its distributed loader as vLLM drives it: files spread over the ranks, each rank reads
                    whole files, `get_sharded` scatters the shards over the same process group;
 - dcp:             `torch.distributed.checkpoint.load` with its `HuggingFaceStorageReader` into DTensors
