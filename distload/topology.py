@@ -68,6 +68,9 @@ class Layout:
         """The node `rank` runs on (torchrun numbers ranks node by node)."""
         return rank // self.local_world if self.local_world else 0
 
+    def same_node(self, a: int, b: int) -> bool:
+        return self.node(a) == self.node(b)
+
     def readers_on(self, node: int) -> tuple[int, ...]:
         """The reader ranks of one node."""
         return tuple(r for r in self.readers if self.node(r) == node)

@@ -206,6 +206,45 @@ def test_expert_maps_place_each_stage_on_its_own_with_replicas(checkpoints):
     assert "ranks 2 and 3 are in one expert group" in str(e.value), str(e.value)
 
 
+def test_tied_embedding_is_read_on_each_stage_node(checkpoints):
+    """Two nodes, one stage each, tied embeddings (GPT-2 and a tied Llama), and four nodes as dp 2 x pp 2: each
+    node's reader reads the embedding rows its own ranks take, so no weight byte crosses between nodes; the
+    embedding is the only tensor read more than once (once per node that holds it)."""
+    import distload
+    from hf_models import read_config
+    from test_families import staged_shards
+    from test_plan import arange_values, assert_coverage, materialise_through_buckets
+
+    from distload.checkpoint import discover
+
+    for family, embed in (("llama_mqa_tied", "model.embed_tokens.weight"), ("gpt2", "transformer.wte.weight")):
+        path = checkpoints[family]
+        index = discover(path)
+        values, config = arange_values(dict(index.tensors)), read_config(path)
+        ranges = cases_for(family)[0][5]
+        for world, local_world, holders in ((4, 2, 2), (8, 2, 4)):
+            plan = distload.inspect(path, tp=2, pp=2, world=world, local_world=local_world)
+            where = f"{family} world {world} ({local_world} per node)"
+            assert plan.sources[embed].per_node, where
+            assert sum(b.read_bytes for b in plan.buckets) == \
+                plan.checkpoint_bytes + (holders - 1) * plan.sources[embed].nbytes, where
+            for rank in range(world):
+                # one stage per node: nothing crosses; with dp replicas the layers are read once per job and
+                # fanned out across nodes, but the embedding still comes from the rank's own node
+                assert world > 4 or plan.bytes_from_other_nodes(rank) == 0, (where, rank)
+                for b in plan.buckets:
+                    for item in plan.items(b, rank):
+                        assert item.chunk.source != embed or plan.layout.same_node(b.reader, rank), (where, rank)
+                want = expected_shards(values, config, rank % 4, 2, 2, 1, ranges)
+                got = (staged_shards(plan, rank, values) if any(plan.post)
+                       else materialise_through_buckets(plan, rank, values))
+                if not any(plan.post):
+                    assert_coverage(plan, rank)
+                assert not differences(got, want, f"{where} rank {rank}")
+        one_node = distload.inspect(path, tp=2, pp=2, world=4)
+        assert not one_node.sources[embed].per_node    # one page cache: read once, as before
+
+
 def test_inspect_prints_the_stage_split(checkpoints):
     from distload.inspect_cmd import describe_plan, inspect_load, stage_split
     from distload.options import LoadOptions
@@ -296,12 +335,22 @@ def _load_every_case(checkpoints: dict, out_dir: str, changed: str) -> dict:
     try:
         path = checkpoints["llama"]
         two = distload.load(path, tp=2, pp=2, progress=False, staging_mib=0.05)
+        tied = distload.load(checkpoints["gpt2"], tp=2, pp=2, progress=False, staging_mib=0.05)
     finally:
         os.environ.update(saved_env)
     problems += differences(two.params, expected_shards(checkpoint_tensors(path), read_config(path), rank, 2, 2, 1,
                                                         [(0, 3), (3, 5)]), f"two nodes rank {rank}")
-    reports["two nodes"] = two.report
+    gpt2 = checkpoints["gpt2"]
+    problems += differences(tied.params, expected_shards(checkpoint_tensors(gpt2), read_config(gpt2), rank, 2, 2, 1,
+                                                         cases_for("gpt2")[0][5]), f"two nodes tied rank {rank}")
+    reports["two nodes"], reports["two nodes tied"] = two.report, tied.report
     return {"problems": problems, "reports": reports if rank == 0 else None}
+
+
+def wte_bytes(path: str) -> int:
+    from distload.checkpoint import discover
+
+    return discover(path).tensors["transformer.wte.weight"].nbytes
 
 
 def test_loads_on_four_ranks_hold_exactly_their_stage(checkpoints, tmp_path):
@@ -320,6 +369,10 @@ def test_loads_on_four_ranks_hold_exactly_their_stage(checkpoints, tmp_path):
             assert report["storage_bytes_read"] == report["checkpoint_bytes"] == tensor_bytes(checkpoints["llama"])
             assert [r["bytes_from_other_nodes"] for r in report["per_rank"]] == [0, 0, 0, 0], report["per_rank"]
             assert [r["bytes_read"] > 0 for r in report["per_rank"]] == [True, False, True, False]
+            continue
+        if key == "two nodes tied":   # the tied embedding is read on both stages' nodes: nothing crosses
+            assert report["ok"] and [r["bytes_from_other_nodes"] for r in report["per_rank"]] == [0, 0, 0, 0], report
+            assert report["storage_bytes_read"] == report["checkpoint_bytes"] + wte_bytes(checkpoints["gpt2"]), report
             continue
         family, tp, pp, ep, parts, env = key
         ranges = next(c[5] for c in cases_for(family) if c[:5] == (tp, pp, ep, parts, env))

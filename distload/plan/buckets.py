@@ -21,12 +21,13 @@ from .types import Bucket, Chunk
 DEFAULT_STAGING_BYTES = 16 << 20
 
 
-def _takers(s, reader: int) -> list[tuple]:
+def _takers(s, reader: int, same_node) -> list[tuple]:
     """Per share of a point-to-point source: its rows, its bytes per row, its group, whether it leaves the
-    reader (plain numbers: the chunk loop runs once per chunk and share of the whole checkpoint)."""
+    reader (plain numbers: the chunk loop runs once per chunk and share of the whole checkpoint). A per-node
+    source's reader serves only its own node's groups (their shares are split by node)."""
     isz = itemsize(s.dtype)
     return [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz, d.ranks,
-             reader not in d.ranks) for d in s.shares]
+             reader not in d.ranks) for d in s.shares if not s.per_node or same_node(d.ranks.first, reader)]
 
 
 def _sent_per_row(s, takers: list[tuple]) -> int:
@@ -36,7 +37,7 @@ def _sent_per_row(s, takers: list[tuple]) -> int:
     return -(-sent // max(1, s.rows))
 
 
-def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) -> list[tuple]:
+def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int, same_node=None) -> list[tuple]:
     """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups)."""
     out = []
     cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, {}
@@ -51,7 +52,7 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) 
         # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
         # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
         bcast, row_bytes, name = s.broadcast, s.row_bytes, s.name
-        takers = [] if bcast else _takers(s, reader)
+        takers = [] if bcast else _takers(s, reader, same_node)
         per_row = max(row_bytes, _sent_per_row(s, takers), 1)
         per_chunk = max(1, staging_bytes // per_row)
         for a in range(first, max(end, first + 1), per_chunk):

@@ -82,10 +82,11 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
 
     shares = _shares(planned, layout)
     pipeline.check_every_source_used(claimed, shares, stages)
-    sources = _sources(shares, index, layout.world)  # index: flat 4-bit tensors as their 2-D views
+    per_node = pipeline.split_by_node(shares, stages)
+    sources = _sources(shares, index, layout.world, per_node)  # index: flat 4-bit tensors as their 2-D views
     runs = reader_spans(sources, layout)
-    buckets = interleaved({r: buckets_for(r, runs[r], layout.world, staging_bytes) for r in layout.readers},
-                          layout.readers, layout.world)
+    buckets = interleaved({r: buckets_for(r, runs[r], layout.world, staging_bytes, layout.same_node)
+                           for r in layout.readers}, layout.readers, layout.world)
     notes = []
     if match.ignored:
         notes.append(f"ignored by rule: {names.describe(match.ignored)}")
@@ -133,11 +134,12 @@ def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:
                                                            base.local_shape, base.padding, alias_of=to))
 
 
-def _sources(shares: dict[str, list[Share]], tensors: dict, world: int) -> list[Source]:
+def _sources(shares: dict[str, list[Share]], tensors: dict, world: int, per_node: frozenset = frozenset()) -> list[Source]:
     """The sources that anyone receives, in file order (file, then offset)."""
     sources = []
     for name in sorted(shares, key=lambda n: (tensors[n].file, tensors[n].offset)):
         e = tensors[name]
         ss = tuple(shares[name])
-        sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ss, is_broadcast(ss, e.shape, world)))
+        sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ss,
+                              name not in per_node and is_broadcast(ss, e.shape, world), name in per_node))
     return sources

@@ -18,6 +18,7 @@ from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
 from .ranks import RankSpecs, RankValues
+from .types import Share
 
 DEFAULT_SPLIT = "default"   # pp_layers_from of a partition nobody gave: vLLM's get_pp_indices split
 LAYER_LOOP = "layer"   # the rules files' loop variable of the decoder layers ({layer})
@@ -127,3 +128,26 @@ def check_every_source_used(claimed: set, shares: dict, stages: Stages | None) -
     if unused:
         raise PlanError(f"--pp {stages.layout.pp}: no pipeline stage holds {names.describe(unused)}, which the "
                         f"rules claim; the stage assignment lost them (report this with the rules file)")
+
+
+def split_by_node(shares: dict[str, list], stages: Stages | None) -> frozenset:
+    """Sources of params that several stages hold (a tied embedding: the first and the last stage), when their
+    ranks sit on several nodes that each have a reader: their shares are split by node in place, and the names
+    returned are read on each such node for its own ranks (vLLM's engines read per stage; sending the embedding
+    from one stage's node to the other's would be the only weight bytes to cross between them)."""
+    if stages is None or not stages.layout.reads_by_node:
+        return frozenset()
+    layout = stages.layout
+    nodes = range(layout.world // layout.local_world)
+    if set(layout.reader_nodes) != set(nodes):
+        return frozenset()
+    split = set()
+    for name, ss in shares.items():
+        if not all(len(stages.of(s.param)) > 1 for s in ss):
+            continue
+        parts = [Share(part, s.param, s.piece) for s in ss for n in nodes
+                 if (part := s.ranks.part_on_node(n, layout.local_world)) is not None]
+        if len(parts) > len(ss):
+            shares[name] = parts
+            split.add(name)
+    return frozenset(split)

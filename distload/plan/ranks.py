@@ -49,6 +49,14 @@ class Ranks(NamedTuple):
         hi = min(self.count - 1, -(-((node + 1) * local_world - self.first) // self.step) - 1)
         return max(0, hi - lo + 1)
 
+    def part_on_node(self, node: int, local_world: int) -> "Ranks | None":
+        """The members that run on `node`, as a group (None: none do)."""
+        if not local_world:
+            return self
+        lo = max(0, -(-(node * local_world - self.first) // self.step))
+        hi = min(self.count - 1, -(-((node + 1) * local_world - self.first) // self.step) - 1)
+        return Ranks(self.first + lo * self.step, self.step, hi - lo + 1) if hi >= lo else None
+
     @staticmethod
     def one(rank: int) -> "Ranks":
         return Ranks(rank, 1, 1)

@@ -5,7 +5,8 @@ boundaries, so each reader's reads stay sequential inside a file. With readers o
 that only one node's ranks take are read by a reader of that node, so they never cross between nodes
 (column-parallel and vocab rows, a node's experts); rows several nodes take (row-parallel tensors,
 replicated ones) are spread over the nodes to even out the bytes each node reads. Every byte is still
-read once by the job.
+read once by the job, except a source marked per_node (a tied embedding several pipeline stages hold), which
+each node that takes it reads for its own ranks.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
     shared: list[Span] = []
     for s in sources:
         for a, b, takers in node_segments(s, layout.node):
+            if s.per_node:   # each taking node's reader reads these rows for its own ranks
+                for n in takers:
+                    home[n].append((s, (a, b)))
+                continue
             only = next(iter(takers)) if len(takers) == 1 else None
             (home[only] if only in home else shared).append((s, (a, b)))
     # Each node reads its share (in proportion to its readers): its own rows, topped up with shared ones.

@@ -74,6 +74,9 @@ class Source:
     shape: tuple[int, ...]
     shares: tuple[Share, ...]
     broadcast: bool                              # every rank receives the whole tensor
+    # Read on every node that takes it, by that node's reader, for its own ranks only (a tied embedding that
+    # the first and the last pipeline stage hold: no byte of it crosses between the stages' nodes).
+    per_node: bool = False
 
     # Cached: planning asks for these thousands of times per plan; a Source never changes, and cached
     # values are not fields (equality, hashing and repr ignore them).
@@ -215,7 +218,7 @@ class LoadPlan:
         for chunk in bucket.chunks:
             src = self.sources[chunk.source]
             for d in src.shares:
-                if rank not in d.ranks:
+                if rank not in d.ranks or (src.per_node and not self.layout.same_node(rank, bucket.reader)):
                     continue
                 piece = clip(d.piece, chunk.rows)
                 if piece is None:
