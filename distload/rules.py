@@ -65,15 +65,16 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from . import dim_expr, loop_sets, names
+from . import dim_expr, loop_sets, mtp, names
 from .errors import RuleError
 from .loop_sets import LoopSet
+from .mtp import MtpRule
 
 STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed", "expert",
           "rank0")
 INNER_STYLES = ("column", "row", "merged", "replicate", "rank0")
 TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
-            "remove", "drop_past"}
+            "remove", "drop_past", "mtp"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
               "dtype", "when", "transposed", "groups"}
 # float: the checkpoint's weight dtype; any-float: any float width; float32: any float width, delivered as F32
@@ -125,6 +126,15 @@ class FamilyRules:
     ties: tuple[Tie, ...] = ()
     params: tuple[ParamRule, ...] = ()
     sets: dict[str, LoopSet] = field(default_factory=dict)
+    mtp: MtpRule | None = None                    # the [mtp] table: multi-token-prediction layers (mtp.py)
+    mtp_mode: str = "off"                         # mtp.MODES: what of them a load asks for (mtp.with_mtp)
+    loop_spans: dict[str, tuple[int, int]] = field(default_factory=dict)   # loops run over [first, end), not range(dim)
+
+    def loop_range(self, config: dict, var: str) -> range:
+        """The values loop `var` takes for this config: range(its dim), or its span (the MTP layers on request)."""
+        if var in self.loop_spans:
+            return range(*self.loop_spans[var])
+        return range(self.dim(config, self.loops[var]))
 
     def dim(self, config: dict, dim_name: str) -> int:
         """Evaluate a named dim against config.json; RuleError if no alternative is present."""
@@ -189,6 +199,8 @@ def _merged_tables(path, seen=()) -> dict:
     base = _merged_tables(base_path, seen + (parent,))
     for key in ("dims", "loops", "params", "sets"):
         base[key] = {**base.get(key, {}), **data.get(key, {})}
+    if "mtp" in data:
+        base["mtp"] = data["mtp"]
     for key in ("drop", "drop_past"):
         base[key] = list(base.get(key, [])) + list(data.get(key, []))
     removed = data.get("remove", [])
@@ -334,7 +346,8 @@ def parse_rules(path) -> FamilyRules:
         raise RuleError(f"{where}: a family file needs 'name' and 'architectures'")
     return FamilyRules(name=data["name"], source=where, architectures=tuple(data["architectures"]),
                        dims=dict(data.get("dims", {})), loops=dict(data.get("loops", {})),
-                       drop=tuple(data.get("drop", ())), drop_past=tuple(data.get("drop_past", ())), ties=tuple(ties), params=tuple(params), sets=sets)
+                       drop=tuple(data.get("drop", ())), drop_past=tuple(data.get("drop_past", ())), ties=tuple(ties),
+                       params=tuple(params), sets=sets, mtp=mtp.parse_mtp(data.get("mtp"), where, dims, loops))
 
 
 _shipped_cache: dict[tuple, list[FamilyRules]] = {}
@@ -361,8 +374,13 @@ def _stamp(path) -> tuple[int, int]:
         return -1, id(path)
 
 
-def rules_for(config: dict, override: str | None = None) -> FamilyRules:
-    """The family for a checkpoint: `override` (a TOML path) or the first shipped file listing its architecture."""
+def rules_for(config: dict, override: str | None = None, mtp_mode: str = "off") -> FamilyRules:
+    """The family for a checkpoint: `override` (a TOML path) or the first shipped file listing its architecture;
+    with its multi-token-prediction layers as `mtp_mode` asks (mtp.py)."""
+    return mtp.with_mtp(_family_for(config, override), config, mtp_mode)
+
+
+def _family_for(config: dict, override: str | None) -> FamilyRules:
     if override:
         path = Path(override)
         if not path.is_file():

@@ -26,6 +26,12 @@ LAYER_LOOP = "layer"   # the rules files' loop variable of the decoder layers ({
 INPUT_SIDE = re.compile(r"(^|\.)(embed\w*|tok_embeddings|embedding|wte|wpe)\.")
 
 
+def draft_stage(layout: Layout) -> int:
+    """The stage of the layers past the decoder's (the MTP draft layers, mtp.py): the last, as vLLM runs the
+    drafter with the last stage (it takes the last stage's hidden states)."""
+    return layout.pp - 1
+
+
 def num_layers(rules: FamilyRules, config: dict) -> int | None:
     """The decoder layer count the rules loop over (None: the rules have no layer loop)."""
     if LAYER_LOOP not in rules.loops:
@@ -72,7 +78,8 @@ def stages_of(layout: Layout, targets, companions, packed, tied: dict[str, str])
     def place(name: str, template: str) -> frozenset:
         values = names.match(template, name) or {}
         if LAYER_LOOP in values:
-            return frozenset({stage_of_layer[min(values[LAYER_LOOP], len(stage_of_layer) - 1)]})
+            return frozenset({stage_of_layer[values[LAYER_LOOP]] if values[LAYER_LOOP] < len(stage_of_layer)
+                              else draft_stage(layout)})
         if name in tied.values():
             return first_and_last          # the embedding, and the last stage's tied head
         return frozenset({0 if INPUT_SIDE.search(name) else layout.pp - 1})
