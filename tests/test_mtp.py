@@ -23,6 +23,7 @@ import distload
 from distload.checkpoint import discover
 from distload.errors import PlanError
 from distload.plan import build_plan
+from distload.report import summary_line
 from distload.rules import rules_for
 from distload.topology import Layout
 from checks import differences, tensor_bytes
@@ -65,6 +66,13 @@ def ckpt(tmp_path_factory):
     return str(with_whole_mtp_layer(save_checkpoint("deepseek_v3", root / "base"), root / "mtp"))
 
 
+@pytest.fixture(scope="module")
+def glm_ckpt(tmp_path_factory):
+    """GLM-4.5's MTP layer has DeepSeek-V3's layout (shared_head.head and embed_tokens of its own)."""
+    root = tmp_path_factory.mktemp("glm_mtp")
+    return str(with_whole_mtp_layer(save_checkpoint("glm4_moe", root / "base"), root / "mtp"))
+
+
 def plan_for(path: str, mode: str, world: int, tp: int | None = None, ep: int = 1, pp: int = 1):
     index = discover(path)
     rules = rules_for(index.config, mtp_mode=mode)
@@ -102,6 +110,16 @@ def test_every_rank_holds_the_oracles_mtp_shards(ckpt, mode, world, ep):
     for rank in range(world):
         problems = differences(materialise(plan, rank, hf), oracle(hf, config, mode, rank, world, ep),
                                f"mtp {mode} world {world} ep {ep} rank {rank}")
+        assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("mode", ["include", "only"])
+def test_glm4_moe_loads_its_mtp_layer_by_the_same_rules(glm_ckpt, mode):
+    hf, config = checkpoint_tensors(glm_ckpt), read_config(glm_ckpt)
+    plan = plan_for(glm_ckpt, mode, 2)
+    assert plan.family == "glm4_moe" and plan.missing == () and plan.unexpected == ()
+    for rank in range(2):
+        problems = differences(materialise(plan, rank, hf), oracle(hf, config, mode, rank, 2, 1), f"glm rank {rank}")
         assert not problems, "\n".join(problems)
 
 
@@ -151,8 +169,8 @@ def _load_include(path: str) -> list[str]:
     result = distload.load(path, tp=world, mtp="include", progress=False)
     hf, config = checkpoint_tensors(path), read_config(path)
     assert result.report["mtp"] == {"mode": "include", "layers": [config["num_hidden_layers"]], "stage": 0}
-    got = {k: v for k, v in result.params.items()}
-    return differences(got, oracle(hf, config, "include", rank, world, 1), f"rank {rank}")
+    assert f"mtp=include(layers {config['num_hidden_layers']})" in summary_line(result.report)
+    return differences(dict(result.params), oracle(hf, config, "include", rank, world, 1), f"rank {rank}")
 
 
 def test_a_real_load_with_mtp_include_at_tp_2_equals_the_oracle(ckpt):
@@ -174,3 +192,26 @@ def test_mtp_on_a_model_without_mtp_layers_is_one_line_naming_the_option(tmp_pat
 def test_a_bad_mode_is_refused_by_name():
     with pytest.raises(distload.errors.DistloadError, match=r"--mtp 'draft' \(mtp=\): choose one of off, include, only"):
         distload.LoadOptions(mtp="draft")
+
+
+def test_vllms_draft_names_are_the_planned_mtp_params(ckpt):
+    """vLLM 0.32's DeepSeekMTP params (deepseek_mtp.py: the block as mtp_block, the layer's embed_tokens as the
+    draft's model.embed_tokens; FusedMoE's routed_experts), written out by hand, name exactly what mtp="only" plans."""
+    from distload.integrations.serving_names import profile_for
+
+    n = read_config(ckpt)["num_hidden_layers"]
+    block = [f"model.layers.{n}.mtp_block.{x}" for x in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.fused_qkv_a_proj.weight",
+        "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_layernorm.weight",
+        "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+        "mlp.experts.routed_experts.w13_weight", "mlp.experts.routed_experts.w2_weight",
+        "mlp.shared_experts.gate_up_proj.weight", "mlp.shared_experts.down_proj.weight")]
+    own = [f"model.layers.{n}.{x}" for x in REPLICATED + ("shared_head.head.weight",)]
+    vllm_names = block + own + ["model.embed_tokens.weight"]
+    profile = profile_for("vllm", "0.32.0")
+    assert profile.is_draft(["DeepSeekMTPModel"]) and not profile.is_draft(["DeepseekV3ForCausalLM"])
+    draft = profile.as_draft(n)
+    assert sorted(draft.distload_name(name) for name in vllm_names) == sorted(plan_for(ckpt, "only", 2).specs[0])
+    alias = f"model.layers.{n}.mtp_block.self_attn.mla_attn.kv_b_proj.weight"   # vLLM 0.32 holds it twice
+    assert draft.distload_name(draft.alias_target(alias, set(vllm_names))) == f"model.layers.{n}.self_attn.kv_b_proj.weight"
+    assert profile.distload_name("model.embed_tokens.weight") == "model.embed_tokens.weight"   # the target model's

@@ -66,8 +66,12 @@ class DistloadModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         profile = vllm_profile()  # an unknown vLLM is refused before anything is planned or read
+        options = self.options
+        hf_config = model_config.hf_config
+        if profile.is_draft(getattr(hf_config, "architectures", None)):   # the MTP layers as speculative draft
+            profile, options = profile.as_draft(hf_config.num_hidden_layers), options.replace(mtp="only")
         into, copies = destinations(model, profile)
-        fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), self.options)
+        fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), options)
         for alias, target in copies:
             alias.copy_(into[target])
 

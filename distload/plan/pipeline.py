@@ -2,7 +2,8 @@
 
 vLLM builds on a stage only that stage's layers (the others are PPMissingLayer), the embedding on the first stage
 and the final norm and lm_head on the last; with tied embeddings the last stage builds the embedding too, and its
-lm_head is that tensor. So each param's per-rank values (ranks.RankValues) keep their value on the ranks of the
+lm_head is that tensor. Layers past the partition (the MTP draft layers, loaded on request: mtp.py) are the last
+stage's, where vLLM runs the drafter. So each param's per-rank values (ranks.RankValues) keep their value on the ranks of the
 stages that hold it and None on the others (the rank lacks the param): the shares, and with them the reads and the
 wire, follow, and a rank reads, receives and holds nothing of another stage's layers.
 """
