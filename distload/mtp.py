@@ -6,7 +6,6 @@ A family file declares them as data (configs/_deepseek_moe.toml):
     [mtp]
     count = "nextn"      # [dims] entry: how many MTP layers follow the decoder layers (0: none)
     loop = "layer"       # the loop they continue: model.layers.{layer} for layer in [layers, layers + count)
-    keep = []            # non-layer params the draft uses too (kept by mtp = "only")
 
 Each MTP layer is a decoder block (the family's {layer} params, cut as a decoder layer's) plus params only it
 has, declared in [params] with `only = "<a [sets] entry from the decoder layer count>"`, so that they expand to
@@ -14,7 +13,7 @@ nothing while the loop stops at the decoder layers. The modes (vLLM serves the d
 
     off      the loop stops at the decoder layers; the MTP tensors are ignored by the family's drop_past
     include  the target model and its MTP layers (one load serves the target and its drafter)
-    only     the MTP layers alone (and `keep`): what vLLM's drafter load asks for; the rest is ignored
+    only     the MTP layers alone: what vLLM's drafter load asks for; the rest is ignored
 
 Pure: (rules, config, mode) -> rules with the loop's span set (FamilyRules.loop_spans); no per-model code.
 """
@@ -28,7 +27,7 @@ from . import names
 from .errors import DistloadError, PlanError, RuleError
 
 MODES = ("off", "include", "only")
-MTP_KEYS = {"count", "loop", "keep"}
+MTP_KEYS = {"count", "loop"}
 MTP_HINT = "--mtp include (or mtp=\"include\"; \"only\" for the draft alone)"
 
 
@@ -37,7 +36,6 @@ class MtpRule:
     """A family's [mtp] table: the count of MTP layers and the loop they continue."""
     count: str                      # [dims] entry: MTP layers after the decoder layers
     loop: str = "layer"             # [loops] variable they continue
-    keep: tuple[str, ...] = ()      # non-layer params the draft uses too (mtp = "only" keeps them)
 
 
 def check_mode(mode) -> None:
@@ -49,11 +47,11 @@ def check_mode(mode) -> None:
 
 def parse_mtp(table, where: str, dims: dict, loops: dict) -> MtpRule | None:
     """The [mtp] table of a family file, validated (None: the family declares no MTP layers)."""
-    if table is None:
+    if not table:
         return None
     if not isinstance(table, dict) or set(table) - MTP_KEYS or "count" not in table:
-        raise RuleError(f"{where}: [mtp] needs 'count' (a [dims] entry) and may have 'loop', 'keep'; got {table!r}")
-    rule = MtpRule(count=table["count"], loop=table.get("loop", "layer"), keep=tuple(table.get("keep", ())))
+        raise RuleError(f"{where}: [mtp] needs 'count' (a [dims] entry) and may have 'loop'; got {table!r}")
+    rule = MtpRule(count=table["count"], loop=table.get("loop", "layer"))
     if rule.count not in dims:
         raise RuleError(f"{where}: [mtp] count names dim {rule.count!r}, not in [dims]")
     if rule.loop not in loops:
@@ -85,7 +83,7 @@ def with_mtp(rules, config: dict, mode: str):
     changes = dict(mtp_mode=mode, loop_spans={**rules.loop_spans, loop: (0, span.stop)})
     if mode == "only":
         changes["loop_spans"][loop] = (span.start, span.stop)
-        kept = [p for p in rules.params if loop in names.variables(p.target) or p.target in rules.mtp.keep]
+        kept = [p for p in rules.params if loop in names.variables(p.target)]
         gone = [p for p in rules.params if p not in kept]
         changes.update(params=tuple(kept), ties=(),
                        drop=rules.drop + tuple(sorted({part for p in gone for f in p.forms for part in f.parts})))

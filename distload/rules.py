@@ -55,6 +55,8 @@ values computed from config.json, and say `only = "<set>"` or `unless = "<set>"`
     every = "sparse_step"      # dim n: values v with (v + 1) % n == 0 (Qwen's decoder_sparse_step)
     from = "first_dense"       # dim k: values v >= k (DeepSeek's first_k_dense_replace)
     skip = "mlp_only_layers"   # config.json key holding a list of values left out (absent: none)
+
+`[mtp]` declares the multi-token-prediction layers after the decoder's, loaded on request (mtp.py).
 """
 
 from __future__ import annotations
@@ -65,10 +67,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from . import dim_expr, loop_sets, mtp, names
+from . import dim_expr, loop_sets, names
 from .errors import RuleError
 from .loop_sets import LoopSet
-from .mtp import MtpRule
+from .mtp import MtpRule, parse_mtp, with_mtp
 
 STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed", "expert",
           "rank0")
@@ -132,9 +134,7 @@ class FamilyRules:
 
     def loop_range(self, config: dict, var: str) -> range:
         """The values loop `var` takes for this config: range(its dim), or its span (the MTP layers on request)."""
-        if var in self.loop_spans:
-            return range(*self.loop_spans[var])
-        return range(self.dim(config, self.loops[var]))
+        return range(*self.loop_spans[var]) if var in self.loop_spans else range(self.dim(config, self.loops[var]))
 
     def dim(self, config: dict, dim_name: str) -> int:
         """Evaluate a named dim against config.json; RuleError if no alternative is present."""
@@ -197,10 +197,8 @@ def _merged_tables(path, seen=()) -> dict:
         raise RuleError(f"{path}: 'extends' cycle through {parent!r}")
     base_path = _parent_file(path, parent)
     base = _merged_tables(base_path, seen + (parent,))
-    for key in ("dims", "loops", "params", "sets"):
+    for key in ("dims", "loops", "params", "sets", "mtp"):
         base[key] = {**base.get(key, {}), **data.get(key, {})}
-    if "mtp" in data:
-        base["mtp"] = data["mtp"]
     for key in ("drop", "drop_past"):
         base[key] = list(base.get(key, [])) + list(data.get(key, []))
     removed = data.get("remove", [])
@@ -347,7 +345,7 @@ def parse_rules(path) -> FamilyRules:
     return FamilyRules(name=data["name"], source=where, architectures=tuple(data["architectures"]),
                        dims=dict(data.get("dims", {})), loops=dict(data.get("loops", {})),
                        drop=tuple(data.get("drop", ())), drop_past=tuple(data.get("drop_past", ())), ties=tuple(ties),
-                       params=tuple(params), sets=sets, mtp=mtp.parse_mtp(data.get("mtp"), where, dims, loops))
+                       params=tuple(params), sets=sets, mtp=parse_mtp(data.get("mtp"), where, dims, loops))
 
 
 _shipped_cache: dict[tuple, list[FamilyRules]] = {}
@@ -377,7 +375,7 @@ def _stamp(path) -> tuple[int, int]:
 def rules_for(config: dict, override: str | None = None, mtp_mode: str = "off") -> FamilyRules:
     """The family for a checkpoint: `override` (a TOML path) or the first shipped file listing its architecture;
     with its multi-token-prediction layers as `mtp_mode` asks (mtp.py)."""
-    return mtp.with_mtp(_family_for(config, override), config, mtp_mode)
+    return with_mtp(_family_for(config, override), config, mtp_mode)
 
 
 def _family_for(config: dict, override: str | None) -> FamilyRules:

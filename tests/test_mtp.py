@@ -170,6 +170,7 @@ def _load_include(path: str) -> list[str]:
     hf, config = checkpoint_tensors(path), read_config(path)
     assert result.report["mtp"] == {"mode": "include", "layers": [config["num_hidden_layers"]], "stage": 0}
     assert f"mtp=include(layers {config['num_hidden_layers']})" in summary_line(result.report)
+    assert result.report["storage_bytes_read"] == tensor_bytes(path)   # every byte once, the MTP layer's too
     return differences(dict(result.params), oracle(hf, config, "include", rank, world, 1), f"rank {rank}")
 
 
@@ -215,3 +216,13 @@ def test_vllms_draft_names_are_the_planned_mtp_params(ckpt):
     alias = f"model.layers.{n}.mtp_block.self_attn.mla_attn.kv_b_proj.weight"   # vLLM 0.32 holds it twice
     assert draft.distload_name(draft.alias_target(alias, set(vllm_names))) == f"model.layers.{n}.self_attn.kv_b_proj.weight"
     assert profile.distload_name("model.embed_tokens.weight") == "model.embed_tokens.weight"   # the target model's
+
+
+def test_a_bad_mtp_table_is_refused_by_name(tmp_path):
+    from distload.errors import RuleError
+    from distload.rules import parse_rules
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "bad"\narchitectures = ["X"]\nextends = "llama"\n[mtp]\ncount = "nextn"\n')
+    with pytest.raises(RuleError, match=r"bad\.toml: \[mtp\] count names dim 'nextn', not in \[dims\]"):
+        parse_rules(bad)
