@@ -134,6 +134,9 @@ def test_under_pipeline_parallelism_the_mtp_layer_is_on_the_last_stage_only(ckpt
         assert any(k.startswith(f"model.layers.{n}.") for k in want) == (stage == 1)
         problems = differences(materialise(plan, rank, hf), want, f"tp 2 x pp 2 rank {rank}")
         assert not problems, "\n".join(problems)
+    only = plan_for(ckpt, "only", 4, tp=2, pp=2)   # the draft alone: the first stage holds and reads nothing
+    assert [len(only.specs[r]) for r in range(4)][:2] == [0, 0] and only.specs[2] and only.specs[3]
+    assert all(d.rank in (2, 3) for s in only.sources.values() for d in s.deliveries)
 
 
 def test_bytes_read_by_mode(ckpt):
