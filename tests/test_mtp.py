@@ -37,21 +37,23 @@ VOCAB = ("shared_head.head.weight", "embed_tokens.weight")
 
 
 def with_whole_mtp_layer(src: Path, out: Path) -> Path:
-    """A copy of a DeepSeek-V3 checkpoint with num_nextn_predict_layers 1 and a whole MTP layer N (random values):
-    the last decoder layer's tensors renamed to N, and the MTP-only tensors, in a file of their own."""
+    """A copy of a DeepSeek-V3 checkpoint with num_nextn_predict_layers 1 and a whole MTP layer N (random values, the
+    checkpoint's dtypes): the last decoder layer's tensors renamed to N, and the MTP-only tensors, in a file of their
+    own."""
     from safetensors.torch import save_file
 
     shutil.copytree(src, out)
     config = json.loads((out / "config.json").read_text())
     n, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     gen = torch.Generator().manual_seed(7)
-    last = f"model.layers.{n - 1}."
-    extra = {f"model.layers.{n}." + name[len(last):]: torch.randn(t.shape, generator=gen)
-             for name, t in checkpoint_tensors(src).items() if name.startswith(last)}
+    last, tensors = f"model.layers.{n - 1}.", checkpoint_tensors(src)
+    extra = {f"model.layers.{n}." + name[len(last):]: torch.randn(t.shape, generator=gen).to(t.dtype)
+             for name, t in tensors.items() if name.startswith(last)}
     shapes = {"enorm.weight": [hidden], "hnorm.weight": [hidden], "eh_proj.weight": [hidden, 2 * hidden],
               "shared_head.norm.weight": [hidden], "shared_head.head.weight": [vocab, hidden],
               "embed_tokens.weight": [vocab, hidden]}
-    extra.update({f"model.layers.{n}.{k}": torch.randn(shape, generator=gen) for k, shape in shapes.items()})
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    extra.update({f"model.layers.{n}.{k}": torch.randn(shape, generator=gen).to(dtype) for k, shape in shapes.items()})
     save_file(extra, out / "model-mtp.safetensors")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
@@ -229,3 +231,24 @@ def test_a_bad_mtp_table_is_refused_by_name(tmp_path):
     bad.write_text('name = "bad"\narchitectures = ["X"]\nextends = "llama"\n[mtp]\ncount = "nextn"\n')
     with pytest.raises(RuleError, match=r"bad\.toml: \[mtp\] count names dim 'nextn', not in \[dims\]"):
         parse_rules(bad)
+
+
+def test_a_block_fp8_mtp_layer_is_cut_as_its_decoder_layer_with_its_scales(tmp_path):
+    """DeepSeek's FP8 release quantizes the MTP block and eh_proj too: their weight_scale_inv travel with them,
+    every byte read once, each MTP param and scale of the shape of the same param of the last decoder layer."""
+    from fp8_checkpoints import quantized_checkpoint
+    from test_deepseek import BLOCK_DIMS
+
+    bf16 = save_checkpoint("deepseek_v3", tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size="2MB", **BLOCK_DIMS)
+    fp8 = str(quantized_checkpoint(with_whole_mtp_layer(bf16, tmp_path / "mtp"), tmp_path / "fp8", "block",
+                                   block=(128, 128)))
+    plan = plan_for(fp8, "include", 2)
+    assert plan.missing == () and plan.unexpected == () and plan.checkpoint_bytes == tensor_bytes(fp8)
+    n = read_config(fp8)["num_hidden_layers"]
+    for rank in range(2):
+        specs = plan.specs[rank]
+        block = {k[len(f"model.layers.{n}."):]: s for k, s in specs.items() if k.startswith(f"model.layers.{n}.")}
+        assert "eh_proj.weight_scale_inv" in block and "self_attn.kv_b_proj.weight_scale_inv" in block
+        for name, spec in block.items():
+            decoder = specs.get(f"model.layers.{n - 1}.{name}")
+            assert decoder is None or (decoder.local_shape, decoder.dtype) == (spec.local_shape, spec.dtype), name
