@@ -252,3 +252,15 @@ def test_a_block_fp8_mtp_layer_is_cut_as_its_decoder_layer_with_its_scales(tmp_p
         for name, spec in block.items():
             decoder = specs.get(f"model.layers.{n - 1}.{name}")
             assert decoder is None or (decoder.local_shape, decoder.dtype) == (spec.local_shape, spec.dtype), name
+
+
+def test_the_command_line_loads_the_mtp_layer_and_reports_it(ckpt, tmp_path):
+    from test_cli import torchrun
+
+    report = tmp_path / "report.json"
+    run = torchrun(2, "load", ckpt, "--tp", "2", "--mtp", "include", "--report", str(report), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    got = json.loads(report.read_text())
+    n = read_config(ckpt)["num_hidden_layers"]
+    assert got["ok"] and got["mtp"] == {"mode": "include", "layers": [n], "stage": 0}
+    assert got["storage_bytes_read"] == tensor_bytes(ckpt) and got["ignored"] == []
