@@ -3,7 +3,8 @@
 Registered through the `vllm.general_plugins` entry point (pyproject.toml), which vLLM runs in every
 process. In a worker, distload plans from the model's own `named_parameters()` (vLLM's names, padded
 shard shapes), fills each param by name (never through vLLM's weight_loaders, which expect whole
-tensors), and vLLM's process_weights_after_loading then runs as usual.
+tensors), and vLLM's process_weights_after_loading then runs as usual. vLLM's speculative-decoding draft of a
+checkpoint's MTP layers (DeepSeekMTPModel, ...: configs/serving/vllm.toml [draft]) loads with mtp="only".
 
     LLM(ckpt, tensor_parallel_size=2, load_format="distload",
         model_loader_extra_config={"readers": "per-node", "report": "/tmp/load.json"})
