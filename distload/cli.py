@@ -79,6 +79,9 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
                    help="before the transfer, readers check each weight file's sha256 against CKPT/checksums "
                         "(sha256sum output); a --save-sharded directory: its manifest's checksums")
     p.add_argument("--check-finite", action="store_true", help="after the transfer, scan every rank's params for NaN/Inf")
+    p.add_argument("--mtp", default="off", choices=["off", "include", "only"],
+                   help="multi-token-prediction (draft) layers of DeepSeek-V3/R1, GLM-4.5: off (default: read not at "
+                        "all), include (the model and its MTP layers, on the last pipeline stage), only (the draft alone)")
     p.add_argument("--hf-config", default=None, metavar="DIR",
                    help="directory with the model's config.json (required for a torch.distributed.checkpoint dir)")
 
@@ -98,7 +101,7 @@ def load_options(args):
                           save_sharded=args.save_sharded, save_for=args.save_for, report=args.report, progress=args.progress,
                           reshard=args.reshard, checksums=args.checksums, hf_config=args.hf_config,
                           quantize=args.quantize, dequantize=args.dequantize,
-                          verify_checksums=args.verify_checksums, check_finite=args.check_finite)
+                          verify_checksums=args.verify_checksums, check_finite=args.check_finite, mtp=args.mtp)
     if args.path is not None:  # demo without a path: it makes the checkpoint
         validate_load_options(args.path, options)
     return options

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import mtp
 from .errors import DistloadError
 from .loader import decide_route, source_for
 from .options import LoadOptions
@@ -29,6 +30,7 @@ class Inspection:
     route: Route
     plan_seconds: float = 0.0       # CPU seconds of planning (what every rank spends)
     plan_peak_bytes: int = 0        # growth of this process's peak RSS while planning
+    mtp: dict | None = None         # the report's `mtp`: the checkpoint's MTP layers, loaded or skipped
 
 
 def _rss_bytes() -> int:
@@ -51,7 +53,7 @@ def inspect_load(path: str, options: LoadOptions, world: int | None = None,
     seconds = time.process_time() - cpu0
     peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
     route, _ = decide_route(source, found, plan, options.device or "cpu", 0, options)
-    return Inspection(plan, route, seconds, peak)
+    return Inspection(plan, route, seconds, peak, source.report_extra(found, plan).get("mtp"))
 
 
 def rank_traffic(plan: LoadPlan, rank: int) -> dict:
@@ -116,6 +118,8 @@ def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | 
              f"checkpoint tensors {len(plan.sources)}, bytes {plan.checkpoint_bytes:,}, buckets {len(plan.buckets)}"]
     if plan.ignored:
         lines.append(f"ignored by rule: {len(plan.ignored)} tensor(s)")
+    if inspection is not None and inspection.mtp and mtp.describe(inspection.mtp):
+        lines.append(mtp.describe(inspection.mtp))
     if plan.quantization:
         lines.append(f"quantization: {plan.quantization}; 'keeps bytes' are the params after post-load steps")
     lines += stage_lines(plan)

@@ -11,8 +11,9 @@
     list = "layer_types"       # config.json key holding one entry per loop value ...
     equals = "full_attention"  # ... and the entry of the members (hybrid models' layer_types)
 
-`drop_past = ["model.layers.{layer}"]` ignores every tensor under that template whose loop values are past
-the loop's range (GLM-4.5's and DeepSeek's extra multi-token-prediction layers after the decoder layers).
+`drop_past = ["model.layers.{layer}"]` ignores every tensor under that template whose loop values are outside
+the loop's range: past it (GLM-4.5's and DeepSeek's multi-token-prediction layers after the decoder layers), or
+before a span's first value (the decoder layers when only the MTP layers are loaded, mtp.py).
 """
 
 from __future__ import annotations
@@ -86,14 +87,14 @@ def _prefix_pattern(template: str) -> re.Pattern:
 
 
 def past_loops(templates, tensor_names, ranges: dict[str, range]) -> set[str]:
-    """The names under one of `templates` (the name itself or `name.<anything>`) with a loop value past its
-    range: tensors after the layer loop, declared by template rather than by name."""
+    """The names under one of `templates` (the name itself or `name.<anything>`) with a loop value outside its
+    range: tensors after the layer loop (or before its span), declared by template rather than by name."""
     patterns = [_prefix_pattern(t) for t in templates]
     out = set()
     for name in tensor_names:
         for pattern in patterns:
             m = pattern.fullmatch(name)
-            if m and any(int(v) >= ranges[k].stop for k, v in m.groupdict().items()):
+            if m and any(int(v) not in ranges[k] for k, v in m.groupdict().items()):
                 out.add(name)
                 break
     return out

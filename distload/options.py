@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import DistloadError
+from .mtp import check_mode
 from .stages import parse_partition
 from .validate import check_options
 
@@ -96,6 +97,7 @@ class LoadOptions:
     dequantize: bool = False
     verify_checksums: bool = False
     check_finite: bool = False
+    mtp: str = "off"                           # multi-token-prediction layers: off, include (target + draft), only (draft)
     tuning: Tuning = field(default_factory=Tuning.from_environment)
 
     def __post_init__(self):
@@ -105,6 +107,7 @@ class LoadOptions:
         if isinstance(self.pp_layers, str):
             object.__setattr__(self, "pp_layers", parse_partition(self.pp_layers))
         check_options(self)
+        check_mode(self.mtp)
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         if self.expert_map is not None:

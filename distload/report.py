@@ -109,9 +109,11 @@ def summary_line(report: dict) -> str:
     peak_device = max(r.get("peak_device_bytes", 0) for r in report["per_rank"]) / 2**20
     on_device = f" peak_device={peak_device:.0f} MiB" if peak_device else ""
     pp = f" pp={report['pp']}" if report.get("pp", 1) > 1 else ""
+    mtp = report.get("mtp") or {}   # sources' report_extra: the MTP layers (mtp.report_fields)
+    draft = f" mtp={mtp['mode']}(layers {','.join(map(str, mtp['layers']))})" if mtp.get("stage") is not None else ""
     return (f"distload: {'OK' if report['ok'] else 'NOT OK'} {report['family']} "
             f"world={report['world_size']} tp={report['tp']}{pp} ep={report['ep']} readers={len(report['readers'])} "
-            f"params={report['params']} checkpoint={gb:.3f} GB read={report['storage_bytes_read'] / 1e9:.3f} GB "
+            f"params={report['params']}{draft} checkpoint={gb:.3f} GB read={report['storage_bytes_read'] / 1e9:.3f} GB "
             f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB{on_device}; {report['verdict']}")
 
 

@@ -55,6 +55,8 @@ values computed from config.json, and say `only = "<set>"` or `unless = "<set>"`
     every = "sparse_step"      # dim n: values v with (v + 1) % n == 0 (Qwen's decoder_sparse_step)
     from = "first_dense"       # dim k: values v >= k (DeepSeek's first_k_dense_replace)
     skip = "mlp_only_layers"   # config.json key holding a list of values left out (absent: none)
+
+`[mtp]` declares the multi-token-prediction layers after the decoder's, loaded on request (mtp.py).
 """
 
 from __future__ import annotations
@@ -68,12 +70,13 @@ from pathlib import Path
 from . import dim_expr, loop_sets, names
 from .errors import RuleError
 from .loop_sets import LoopSet
+from .mtp import MtpRule, parse_mtp, with_mtp
 
 STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed", "expert",
           "rank0")
 INNER_STYLES = ("column", "row", "merged", "replicate", "rank0")
 TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
-            "remove", "drop_past"}
+            "remove", "drop_past", "mtp"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
               "dtype", "when", "transposed", "groups"}
 # float: the checkpoint's weight dtype; any-float: any float width; float32: any float width, delivered as F32
@@ -125,6 +128,13 @@ class FamilyRules:
     ties: tuple[Tie, ...] = ()
     params: tuple[ParamRule, ...] = ()
     sets: dict[str, LoopSet] = field(default_factory=dict)
+    mtp: MtpRule | None = None                    # the [mtp] table: multi-token-prediction layers (mtp.py)
+    mtp_mode: str = "off"                         # mtp.MODES: what of them a load asks for (mtp.with_mtp)
+    loop_spans: dict[str, tuple[int, int]] = field(default_factory=dict)   # loops run over [first, end), not range(dim)
+
+    def loop_range(self, config: dict, var: str) -> range:
+        """The values loop `var` takes for this config: range(its dim), or its span (the MTP layers on request)."""
+        return range(*self.loop_spans[var]) if var in self.loop_spans else range(self.dim(config, self.loops[var]))
 
     def dim(self, config: dict, dim_name: str) -> int:
         """Evaluate a named dim against config.json; RuleError if no alternative is present."""
@@ -187,7 +197,7 @@ def _merged_tables(path, seen=()) -> dict:
         raise RuleError(f"{path}: 'extends' cycle through {parent!r}")
     base_path = _parent_file(path, parent)
     base = _merged_tables(base_path, seen + (parent,))
-    for key in ("dims", "loops", "params", "sets"):
+    for key in ("dims", "loops", "params", "sets", "mtp"):
         base[key] = {**base.get(key, {}), **data.get(key, {})}
     for key in ("drop", "drop_past"):
         base[key] = list(base.get(key, [])) + list(data.get(key, []))
@@ -334,7 +344,8 @@ def parse_rules(path) -> FamilyRules:
         raise RuleError(f"{where}: a family file needs 'name' and 'architectures'")
     return FamilyRules(name=data["name"], source=where, architectures=tuple(data["architectures"]),
                        dims=dict(data.get("dims", {})), loops=dict(data.get("loops", {})),
-                       drop=tuple(data.get("drop", ())), drop_past=tuple(data.get("drop_past", ())), ties=tuple(ties), params=tuple(params), sets=sets)
+                       drop=tuple(data.get("drop", ())), drop_past=tuple(data.get("drop_past", ())), ties=tuple(ties),
+                       params=tuple(params), sets=sets, mtp=parse_mtp(data.get("mtp"), where, dims, loops))
 
 
 _shipped_cache: dict[tuple, list[FamilyRules]] = {}
@@ -361,8 +372,13 @@ def _stamp(path) -> tuple[int, int]:
         return -1, id(path)
 
 
-def rules_for(config: dict, override: str | None = None) -> FamilyRules:
-    """The family for a checkpoint: `override` (a TOML path) or the first shipped file listing its architecture."""
+def rules_for(config: dict, override: str | None = None, mtp_mode: str = "off") -> FamilyRules:
+    """The family for a checkpoint: `override` (a TOML path) or the first shipped file listing its architecture;
+    with its multi-token-prediction layers as `mtp_mode` asks (mtp.py)."""
+    return with_mtp(_family_for(config, override), config, mtp_mode)
+
+
+def _family_for(config: dict, override: str | None) -> FamilyRules:
     if override:
         path = Path(override)
         if not path.is_file():

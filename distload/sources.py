@@ -31,6 +31,7 @@ from .checkpoint.legacy import is_legacy_file
 from .errors import CheckpointError
 from .integrity import checksum_verdict, hash_while_reading, listing_problems
 from .plan import DEFAULT_STAGING_BYTES, build_plan
+from .mtp import report_fields
 from .rules import rules_for
 from .transfer.agreement import verdict_everywhere
 
@@ -94,7 +95,8 @@ class CheckpointSource:
 
     def plan(self, found, layout):
         options = self.options
-        return build_plan(found.tensors, found.config, rules_for(found.config, options.config), layout,
+        return build_plan(found.tensors, found.config, rules_for(found.config, options.config, options.mtp),
+                          layout,
                           strict=options.strict, staging_bytes=options.staging_bytes or DEFAULT_STAGING_BYTES,
                           quantize=options.quantize, dequantize=options.dequantize)
 
@@ -139,7 +141,8 @@ class CheckpointSource:
         return {}
 
     def report_extra(self, found, plan) -> dict:
-        return {"quantization": plan.quantization}
+        rules = rules_for(found.config, self.options.config, self.options.mtp)
+        return {"quantization": plan.quantization, "mtp": report_fields(rules, found.config, plan.layout)}
 
 
 class DcpSource(CheckpointSource):

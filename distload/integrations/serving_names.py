@@ -3,20 +3,39 @@
 distload's family rules name params by their serving names (`...experts.w13_weight`); an engine release
 may move a param (vLLM 0.32: `...experts.routed_experts.w13_weight`) or list one tensor under two names
 (Qwen3-MoE's router, also `mlp.experts.gate.weight`). A profile says so per version range, by name
-suffix, so a new release is a new table, not code.
+suffix, so a new release is a new table, not code. The engine's speculative-decoding draft of a checkpoint's
+multi-token-prediction layers (vLLM's DeepSeekMTP) names those layers its own way: the file's [draft] table
+(architectures, and regex renames applied before the suffix renames).
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 from ..errors import RuleError
 
 PROFILE_KEYS = {"name", "from", "below", "rename", "alias", "sharded_state"}
 SHARDED_STATE_KEYS = {"architectures", "aliased", "buffers"}
+DRAFT_KEYS = {"architectures", "rename"}
+FIRST_LAYER = "{first}"   # in a [draft] rename: the first MTP layer's index (config.json num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class DraftNames:
+    """How the engine names the MTP layers when it serves them as the draft model (configs/serving: [draft])."""
+    architectures: tuple[str, ...] = ()          # the engine's architectures of the draft (loaded with mtp="only")
+    rename: tuple[tuple[str, str], ...] = ()     # (regex on the engine name, distload's name; {first}: see above)
+    first_layer: int | None = None               # set by NamingProfile.as_draft: the renames apply
+
+    def distload_name(self, engine_name: str) -> str:
+        if self.first_layer is None:
+            return engine_name
+        for pattern, replacement in self.rename:
+            engine_name = re.sub(pattern, replacement.replace(FIRST_LAYER, str(self.first_layer)), engine_name)
+        return engine_name
 
 
 @dataclass(frozen=True)
@@ -35,10 +54,20 @@ class NamingProfile:
     rename: tuple[tuple[str, str], ...] = ()     # (engine suffix, distload suffix)
     alias: tuple[tuple[str, str], ...] = ()      # (engine suffix, suffix of the engine param it duplicates)
     sharded_state: ShardedStateNames = ShardedStateNames()
+    draft: DraftNames = DraftNames()
 
     def distload_name(self, engine_name: str) -> str:
         """distload's name for an engine param (itself when no rename applies)."""
+        engine_name = self.draft.distload_name(engine_name)
         return _replace_suffix(engine_name, self.rename) or engine_name
+
+    def is_draft(self, architectures) -> bool:
+        """Is a model of these architectures the engine's draft of a checkpoint's MTP layers?"""
+        return bool(set(architectures or ()) & set(self.draft.architectures))
+
+    def as_draft(self, first_layer: int) -> NamingProfile:
+        """This profile naming the draft model, whose MTP layers start at `first_layer`."""
+        return replace(self, draft=replace(self.draft, first_layer=first_layer))
 
     def engine_name(self, distload_name: str) -> str:
         """The engine's name for a distload param (the inverse of distload_name)."""
@@ -100,7 +129,8 @@ def profile_for(engine: str, version: str, path=None) -> NamingProfile:
                                  rename=tuple(table.get("rename", {}).items()),
                                  alias=tuple((suffix, target) for suffix, targets in table.get("alias", {}).items()
                                              for target in ([targets] if isinstance(targets, str) else targets)),
-                                 sharded_state=_sharded_state(table.get("sharded_state", {}), path))
+                                 sharded_state=_sharded_state(table.get("sharded_state", {}), path),
+                                 draft=_draft(data.get("draft", {}), path))
     known = ", ".join(f"{t.get('name')} [{t.get('from')}, {t.get('below')})" for t in data.get("profile", []))
     raise RuleError(f"{engine} {version}: distload does not know this version's param names (profiles: {known}); "
                     f"add a [[profile]] for it to {path}")
@@ -113,3 +143,15 @@ def _sharded_state(table: dict, path) -> ShardedStateNames:
     return ShardedStateNames(architectures=tuple(table.get("architectures", ())),
                              aliased=tuple((arch, tuple(suffixes)) for arch, suffixes in table.get("aliased", {}).items()),
                              buffers=tuple((k, tuple(v)) for k, v in table.get("buffers", {}).items()))
+
+
+def _draft(table: dict, path) -> DraftNames:
+    unknown = set(table) - DRAFT_KEYS
+    if unknown:
+        raise RuleError(f"{path}: [draft] takes {sorted(DRAFT_KEYS)}; got {sorted(unknown)}")
+    for pattern in table.get("rename", {}):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise RuleError(f"{path}: [draft.rename] {pattern!r} is not a regular expression: {exc}") from None
+    return DraftNames(architectures=tuple(table.get("architectures", ())), rename=tuple(table.get("rename", {}).items()))

@@ -3,7 +3,8 @@
 Registered through the `vllm.general_plugins` entry point (pyproject.toml), which vLLM runs in every
 process. In a worker, distload plans from the model's own `named_parameters()` (vLLM's names, padded
 shard shapes), fills each param by name (never through vLLM's weight_loaders, which expect whole
-tensors), and vLLM's process_weights_after_loading then runs as usual.
+tensors), and vLLM's process_weights_after_loading then runs as usual. vLLM's speculative-decoding draft of a
+checkpoint's MTP layers (DeepSeekMTPModel, ...: configs/serving/vllm.toml [draft]) loads with mtp="only".
 
     LLM(ckpt, tensor_parallel_size=2, load_format="distload",
         model_loader_extra_config={"readers": "per-node", "report": "/tmp/load.json"})
@@ -66,8 +67,12 @@ class DistloadModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         profile = vllm_profile()  # an unknown vLLM is refused before anything is planned or read
+        options = self.options
+        hf_config = model_config.hf_config
+        if profile.is_draft(getattr(hf_config, "architectures", None)):   # the MTP layers as speculative draft
+            profile, options = profile.as_draft(hf_config.num_hidden_layers), options.replace(mtp="only")
         into, copies = destinations(model, profile)
-        fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), self.options)
+        fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), options)
         for alias, target in copies:
             alias.copy_(into[target])
 

@@ -2,7 +2,8 @@
 
 vLLM builds on a stage only that stage's layers (the others are PPMissingLayer), the embedding on the first stage
 and the final norm and lm_head on the last; with tied embeddings the last stage builds the embedding too, and its
-lm_head is that tensor. So each param's per-rank values (ranks.RankValues) keep their value on the ranks of the
+lm_head is that tensor. Layers past the partition (the MTP draft layers, loaded on request: mtp.py) are the last
+stage's, where vLLM runs the drafter. So each param's per-rank values (ranks.RankValues) keep their value on the ranks of the
 stages that hold it and None on the others (the rank lacks the param): the shares, and with them the reads and the
 wire, follow, and a rank reads, receives and holds nothing of another stage's layers.
 """
@@ -25,6 +26,12 @@ LAYER_LOOP = "layer"   # the rules files' loop variable of the decoder layers ({
 # Non-layer params on the input side (token and position embeddings), held by the first stage; every other
 # non-layer param (final norm, head) is the last stage's.
 INPUT_SIDE = re.compile(r"(^|\.)(embed\w*|tok_embeddings|embedding|wte|wpe)\.")
+
+
+def draft_stage(layout: Layout) -> int:
+    """The stage of the layers past the decoder's (the MTP draft layers, mtp.py): the last, as vLLM runs the
+    drafter with the last stage (it takes the last stage's hidden states)."""
+    return layout.pp - 1
 
 
 def num_layers(rules: FamilyRules, config: dict) -> int | None:
@@ -73,7 +80,8 @@ def stages_of(layout: Layout, targets, companions, packed, tied: dict[str, str])
     def place(name: str, template: str) -> frozenset:
         values = names.match(template, name) or {}
         if LAYER_LOOP in values:
-            return frozenset({stage_of_layer[min(values[LAYER_LOOP], len(stage_of_layer) - 1)]})
+            return frozenset({stage_of_layer[values[LAYER_LOOP]] if values[LAYER_LOOP] < len(stage_of_layer)
+                              else draft_stage(layout)})
         if name in tied.values():
             return first_and_last          # the embedding, and the last stage's tied head
         return frozenset({0 if INPUT_SIDE.search(name) else layout.pp - 1})

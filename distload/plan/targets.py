@@ -17,7 +17,7 @@ from .types import Target
 
 
 def loop_ranges(rules: FamilyRules, config: dict) -> dict[str, range]:
-    return {var: range(rules.dim(config, dim)) for var, dim in rules.loops.items()}
+    return {var: rules.loop_range(config, var) for var in rules.loops}
 
 
 def expand_all(template: str, ranges: dict[str, range], fixed: dict[str, int] | None = None) -> list[tuple[dict, str]]:
