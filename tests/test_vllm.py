@@ -41,16 +41,17 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 _runs: dict[tuple, dict] = {}  # one vLLM instance per (checkpoint, format, ep) for the whole module
 
 
-def run_vllm(ckpt: Path, load_format: str, tmp: Path, ep: bool = False, tokens: bool = True, pp: int = 1) -> dict:
+def run_vllm(ckpt: Path, load_format: str, tmp: Path, ep: bool = False, tokens: bool = True, pp: int = 1,
+             mtp: bool = False) -> dict:
     """One instance's result (vllm_serve.py's JSON); with load_format="distload", also distload's report."""
-    key = (str(ckpt), load_format, ep, tokens, pp)
+    key = (str(ckpt), load_format, ep, tokens, pp, mtp)
     if key in _runs:
         return _runs[key]
-    tag = f"{Path(ckpt).name}-{load_format}-{'ep' if ep else 'tp'}-pp{pp}"
+    tag = f"{Path(ckpt).name}-{load_format}-{'ep' if ep else 'tp'}-pp{pp}" + "-mtp" * mtp
     out, report = tmp / f"{tag}.json", tmp / f"{tag}-report.json"
     extra = {"report": str(report)} if load_format == "distload" else {}
     cmd = [sys.executable, str(SERVE), str(ckpt), load_format, str(out), "--extra", json.dumps(extra)]
-    cmd += ["--ep"] * ep + ["--tokens"] * tokens + ["--pp", str(pp)]
+    cmd += ["--ep"] * ep + ["--tokens"] * tokens + ["--pp", str(pp)] + ["--mtp"] * mtp
     proc = subprocess.run(cmd, env={**os.environ, **VLLM_ENV}, cwd=HERE, capture_output=True, text=True,
                           timeout=900)
     if proc.returncode != 0:
@@ -123,6 +124,23 @@ def test_moe_tp2_state(family, ep, checkpoints, tmp_path):
     theirs = run_vllm(ckpt, "safetensors", tmp_path, ep=ep, tokens=False)
     assert_same_state(ours, theirs)
     assert_read_once(ours)
+
+
+@needs_vllm
+def test_mtp_draft_state(checkpoints, tmp_path):
+    """DeepSeek-V3 with its MTP layer served as the speculative draft (vLLM's DeepSeekMTP, loaded through the
+    plugin with mtp="only"): the draft's params as vLLM's default loader fills them, and the target's too. No
+    tokens: vLLM's CPU MLA backend does not generate with these tiny head sizes."""
+    from test_mtp import with_whole_mtp_layer
+
+    ckpt = with_whole_mtp_layer(checkpoints("deepseek_v3"), tmp_path / "deepseek_v3_mtp")
+    ours = run_vllm(ckpt, "distload", tmp_path, tokens=False, mtp=True)
+    theirs = run_vllm(ckpt, "safetensors", tmp_path, tokens=False, mtp=True)
+    assert_same_state(ours, theirs)
+    for rank, (mine, ref) in enumerate(zip(ours["ranks"], theirs["ranks"])):
+        assert "draft" in ref and ref["draft"]["loaded"], f"rank {rank}: vLLM built no MTP draft"
+        assert any(".mtp_block." in n for n in ref["draft"]["loaded"]), sorted(ref["draft"]["loaded"])[:10]
+        assert_same_state({"ranks": [mine["draft"]] * 2}, {"ranks": [ref["draft"]] * 2})
 
 
 @needs_vllm

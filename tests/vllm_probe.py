@@ -72,6 +72,11 @@ class StateProbe:
 
     def distload_probe_state(self) -> dict:
         model = self.model_runner.model
-        return {"loaded": getattr(model, LOADED_ATTR, {}), "load": getattr(model, LOAD_ATTR, {}),
-                "processed": state_digests(model.state_dict().items()),
-                "state_dict_names": sorted(model.state_dict())}
+        state = {"loaded": getattr(model, LOADED_ATTR, {}), "load": getattr(model, LOAD_ATTR, {}),
+                 "processed": state_digests(model.state_dict().items()),
+                 "state_dict_names": sorted(model.state_dict())}
+        draft = getattr(getattr(self.model_runner, "drafter", None), "model", None)  # a speculative draft model
+        if draft is not None:
+            state["draft"] = {"loaded": getattr(draft, LOADED_ATTR, {}),
+                              "processed": state_digests(draft.state_dict().items())}
+        return state

@@ -2,7 +2,9 @@
 load CKPT with LOAD_FORMAT, collect every worker's state (vllm_probe.StateProbe), optionally generate
 greedy tokens, and write it all as JSON.
 
-    python tests/vllm_serve.py CKPT LOAD_FORMAT OUT.json [--ep] [--tokens] [--extra JSON]
+    python tests/vllm_serve.py CKPT LOAD_FORMAT OUT.json [--ep] [--tokens] [--mtp] [--extra JSON]
+
+--mtp serves the checkpoint's multi-token-prediction layer as the speculative-decoding draft (vLLM's DeepSeekMTP).
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ PROMPT = [1, 17, 42, 99, 7, 3, 150, 64]
 STEPS = 16
 
 
-def serve_once(ckpt: str, load_format: str, ep: bool, tokens: bool, extra: dict, pp: int = 1) -> dict:
+def serve_once(ckpt: str, load_format: str, ep: bool, tokens: bool, extra: dict, pp: int = 1, mtp: bool = False) -> dict:
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(ckpt, tensor_parallel_size=2 // pp, pipeline_parallel_size=pp, dtype="bfloat16", enforce_eager=True, max_model_len=128,
               distributed_executor_backend="mp", skip_tokenizer_init=True, enable_expert_parallel=ep,
               load_format=load_format, model_loader_extra_config=extra,
-              worker_extension_cls="vllm_probe.StateProbe")
+              worker_extension_cls="vllm_probe.StateProbe",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1} if mtp else None)
     result = {"startup_s": time.perf_counter() - start, "ranks": llm.collective_rpc("distload_probe_state")}
     if tokens:
         params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
@@ -42,9 +45,10 @@ def main() -> None:
     parser.add_argument("--ep", action="store_true")
     parser.add_argument("--tokens", action="store_true")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (of the 2 ranks)")
+    parser.add_argument("--mtp", action="store_true", help="serve the MTP layer as the speculative draft")
     parser.add_argument("--extra", default="{}")
     args = parser.parse_args()
-    result = serve_once(args.ckpt, args.load_format, args.ep, args.tokens, json.loads(args.extra), args.pp)
+    result = serve_once(args.ckpt, args.load_format, args.ep, args.tokens, json.loads(args.extra), args.pp, args.mtp)
     Path(args.out).write_text(json.dumps(result))
 
 
