@@ -86,7 +86,10 @@ def discover(root: str | os.PathLike) -> CheckpointIndex:
             "checkpoint %s: ignoring weight files not used by the %s checkpoint%s: %s",
             root, fmt, f" ({index_name} is the authority)" if os.path.exists(index_path) else "", ", ".join(ignored),
         )
-    ordered = dict(sorted(tensors.items(), key=lambda item: (item[1].file, item[1].offset)))
+    if fmt == "safetensors":  # already in file order: files sorted, each header's entries by offset
+        ordered = tensors
+    else:
+        ordered = dict(sorted(tensors.items(), key=lambda item: (item[1].file, item[1].offset)))
     return CheckpointIndex(root, fmt, ordered, tuple(files), ignored, read_config(root))
 
 

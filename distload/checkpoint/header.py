@@ -143,7 +143,7 @@ def _validated_entry(name: str, raw: object, shown: str) -> tuple[str, tuple[int
     # _is_count, inline (it runs for every dimension of every tensor): JSON gives plain ints or bools.
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r:.200}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and _is_count(offsets[0]) and _is_count(offsets[1])):
         raise CheckpointError(f"{where}: data_offsets must be [begin, end] non-negative integers, got {offsets!r:.200}")
     begin, end = offsets
     if end < begin:

@@ -179,18 +179,22 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     cuts = _ExpertCuts(per_expert_parts, [cut(inner, per_expert_parts[0], g, t, f"{where} expert 0",
                                               label="tp-in-expert-group", **sizes) for t in range(g)])
     inner_local = [local_shape(inner, tuple(one_expert), LocalLayout(lay.rows, lay.cols, ())) for lay in cuts.cuts]
-    made: dict[tuple[int, int], tuple[ParamSpec, LocalLayout]] = {}
+    restore = rule.transposed or vector
+    tails = [inner_local[t][:1] if vector else inner_local[t] for t in range(g)]
     specs: dict[tuple, ParamSpec] = {}   # ranks of one host set mostly hold one spec (equal splits)
-    for key in dict.fromkeys(placement.keys):
-        hosts, t = placement.hosts[key[0]], key[1]
+    made: dict[tuple[int, int], tuple[ParamSpec, LocalLayout]] = {}
+    for key in set(placement.keys):
+        k, t = key
+        hosts = placement.hosts[k]
         lay = cuts.stacked(hosts, t)
-        if rule.transposed or vector:
+        if restore:
             lay = stored_layout(lay, target, index, cuts.cuts[t].rows, num_experts)
-        shape = (len(hosts),) + (inner_local[t][:1] if vector else inner_local[t])
-        spec_key = (key[0], shape, lay.padding)
-        if spec_key not in specs:
-            specs[spec_key] = ParamSpec(target.name, "expert", dtype, global_shape, shape, lay.padding, None, hosts)
-        made[key] = (specs[spec_key], lay)
+        shape = (len(hosts),) + tails[t]
+        spec = specs.get((k, shape, lay.padding))
+        if spec is None:
+            spec = specs[k, shape, lay.padding] = ParamSpec(target.name, "expert", dtype, global_shape, shape,
+                                                             lay.padding, None, hosts)
+        made[key] = (spec, lay)
     values = [made[key] for key in placement.keys]
     return RankValues([s for s, _ in values], layout.world), RankValues([lay for _, lay in values], layout.world)
 
