@@ -183,7 +183,7 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     tails = [inner_local[t][:1] if vector else inner_local[t] for t in range(g)]
     specs: dict[tuple, ParamSpec] = {}   # ranks of one host set mostly hold one spec (equal splits)
     made: dict[tuple[int, int], tuple[ParamSpec, LocalLayout]] = {}
-    for key in set(placement.keys):
+    for key in dict.fromkeys(placement.keys):   # distinct keys, in rank order
         k, t = key
         hosts = placement.hosts[k]
         lay = cuts.stacked(hosts, t)
