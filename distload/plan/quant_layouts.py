@@ -108,9 +108,8 @@ class _BlockGrid:
             mapped = memo.get(key)
             if mapped is None:
                 mapped = memo[key] = self._mapped(pc, shape, spec.name, n_loc, k_loc)
-            rows, cols, dst_row, dst_col, count = mapped
-            out.append(Piece(self.scale_of[pc.source], rows, cols, dst_row, dst_col))
-            numel += count
+            out.append(Piece(self.scale_of[pc.source], *mapped[:4]))
+            numel += mapped[4]
         if numel != blocks:
             raise PlanError(f"{spec.name}: its pieces do not tile the block grid "
                             f"{list(block_scale_shape(spec.local_shape, self.block))} (padded or overlapping "

@@ -10,6 +10,7 @@ Planning and the plan therefore cost the same at 8 ranks as at 4096 for the same
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -113,6 +114,8 @@ def per_group(fn, *per_rank: RankValues) -> RankValues:
 
 def _cycled(values: RankValues, period: int):
     """values' value for each of `period` groups, made as asked (lazy values in rank order, as fn sees them)."""
+    if values._make is None:
+        return itertools.islice(itertools.cycle(values._values), period)
     return (values.value(i % values.period) for i in range(period))
 
 
