@@ -142,21 +142,24 @@ class _ExpertCuts:
     def __init__(self, per_expert_parts, cuts: list[LocalLayout]):
         self.cuts = cuts
         parts0 = per_expert_parts[0]
-        self.indexed = [[(_part_of(p, parts0), p) for p in lay.pieces] for lay in cuts]
+        # Per rank of the group, expert 0's pieces as (part index, rows, cols, dst_row, dst_col).
+        self.templates = [[(_part_of(p, parts0), p.rows, p.cols, p.dst_row, p.dst_col) for p in lay.pieces]
+                          for lay in cuts]
         # Per expert, per part: (its source, its rows' shift from expert 0's part).
         self.moves = [[(q.source, q.row0 - q0.row0) for q, q0 in zip(parts, parts0)] for parts in per_expert_parts]
 
     def stacked(self, hosts: tuple[int, ...], t: int) -> LocalLayout:
         """Rank t's layout holding `hosts` in ascending slots (serving orientation)."""
         base = self.cuts[t]
-        rows, indexed = base.rows, self.indexed[t]
+        rows, template = base.rows, self.templates[t]
         pieces = []
         for slot, e in enumerate(hosts):
             moves, dst0 = self.moves[e], slot * rows
-            for j, p in indexed:
+            for j, src_rows, cols, dst_row, dst_col in template:
                 source, shift = moves[j]
-                pieces.append(Piece(source, (p.rows[0] + shift, p.rows[1] + shift) if shift else p.rows, p.cols,
-                                    p.dst_row + dst0, p.dst_col))
+                if shift:
+                    src_rows = (src_rows[0] + shift, src_rows[1] + shift)
+                pieces.append(Piece(source, src_rows, cols, dst_row + dst0, dst_col))
         padding = tuple((a + slot * rows, b + slot * rows, c, d) for slot in range(len(hosts))
                         for a, b, c, d in base.padding) if base.padding else ()
         return LocalLayout(len(hosts) * rows, base.cols, tuple(pieces), padding)
