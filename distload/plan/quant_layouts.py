@@ -88,8 +88,9 @@ class _BlockGrid:
 
     def __init__(self, scale_of: dict, tensors: dict, block):
         self.scale_of, self.tensors, self.block = scale_of, tensors, block
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.grids: dict[tuple[int, ...], tuple[int, int, int, dict]] = {}   # local shape -> (n, k, blocks, memo)
+        # local shape -> (n, k, blocks of the local grid, per weight source (its shape, the memo of its shape))
+        self.grids: dict[tuple[int, ...], tuple[int, int, int, dict]] = {}
+        self.memos: dict[tuple, dict] = {}   # (local shape, source shape) -> {piece geometry: block rectangle}
 
     def pieces(self, lay: LocalLayout, spec) -> tuple[Piece, ...]:
         """The weight's pieces on the block grid; _SplitBlock when an edge falls inside a block."""
@@ -98,16 +99,18 @@ class _BlockGrid:
             n_loc, k_loc = _matrix_dims(spec.local_shape, spec.name)
             grid = self.grids[spec.local_shape] = (n_loc, k_loc, math.prod(block_scale_shape(spec.local_shape,
                                                                                                 self.block)), {})
-        n_loc, k_loc, blocks, memo = grid
+        n_loc, k_loc, blocks, sources = grid
         out, numel = [], 0
         for pc in lay.pieces:
-            shape = self.shapes.get(pc.source)
-            if shape is None:
-                shape = self.shapes[pc.source] = tuple(self.tensors[pc.source].shape)
-            key = (shape, pc.rows, pc.cols, pc.dst_row, pc.dst_col)
-            mapped = memo.get(key)
+            known = sources.get(pc.source)
+            if known is None:
+                shape = tuple(self.tensors[pc.source].shape)
+                known = sources[pc.source] = (shape, self.memos.setdefault((spec.local_shape, shape), {}))
+            shape, memo = known
+            geometry = pc[1:]   # rows, cols, dst_row, dst_col (a Piece is a tuple)
+            mapped = memo.get(geometry)
             if mapped is None:
-                mapped = memo[key] = self._mapped(pc, shape, spec.name, n_loc, k_loc)
+                mapped = memo[geometry] = self._mapped(pc, shape, spec.name, n_loc, k_loc)
             out.append(Piece(self.scale_of[pc.source], *mapped[:4]))
             numel += mapped[4]
         if numel != blocks:
