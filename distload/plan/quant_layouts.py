@@ -155,17 +155,14 @@ def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, sch
     dtypes = sorted({tensors[s].dtype for s in c.sources})
     if len(dtypes) > 1:
         raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
-    try:
-        pieces = per_group(_BlockGrid(scale_of, tensors, block).pieces, weight_lays, weight_specs)
-    except _SplitBlock as split:
-        raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
     distinct = list(dict.fromkeys(c.sources))
     rows = sum(view2d(tuple(tensors[s].shape))[0] for s in distinct)
     cols = view2d(tuple(tensors[distinct[0]].shape))[1]
-
+    grid = _BlockGrid(scale_of, tensors, block)
     specs: dict[int, tuple[ParamSpec, int, int]] = {}   # per weight spec (shared by many ranks): its scale's
 
-    def scales(w, ps):
+    def scales(lay, w):
+        pieces = grid.pieces(lay, w)
         made = specs.get(id(w))
         if made is None:
             local = block_scale_shape(w.local_shape, block)
@@ -176,8 +173,11 @@ def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, sch
             made = specs[id(w)] = (ParamSpec(c.name, w.style, dtypes[0], glob, local, experts=w.experts),
                                    *view2d(local))
         spec, local_rows, local_cols = made
-        return spec, LocalLayout(local_rows, local_cols, ps)
-    return unzipped(per_group(scales, weight_specs, pieces))
+        return spec, LocalLayout(local_rows, local_cols, pieces)
+    try:
+        return unzipped(per_group(scales, weight_lays, weight_specs))
+    except _SplitBlock as split:
+        raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
 
 
 def _split_error(c: Companion, target, split: _SplitBlock, tensors, scheme: Scheme, group: int, relayout) -> PlanError:
