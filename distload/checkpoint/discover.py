@@ -16,7 +16,7 @@ from pathlib import Path
 
 from distload.errors import CheckpointError
 
-from .header import TensorEntry, parse_safetensors_header
+from .header import TensorEntry, first_repeat, parse_safetensors_header
 from .legacy import LEGACY_SUFFIXES, legacy_entries
 
 log = logging.getLogger("distload")
@@ -86,7 +86,10 @@ def discover(root: str | os.PathLike) -> CheckpointIndex:
             "checkpoint %s: ignoring weight files not used by the %s checkpoint%s: %s",
             root, fmt, f" ({index_name} is the authority)" if os.path.exists(index_path) else "", ", ".join(ignored),
         )
-    ordered = dict(sorted(tensors.items(), key=lambda item: (item[1].file, item[1].offset)))
+    if fmt == "safetensors":  # already in file order: files sorted, each header's entries by offset
+        ordered = tensors
+    else:
+        ordered = dict(sorted(tensors.items(), key=lambda item: (item[1].file, item[1].offset)))
     return CheckpointIndex(root, fmt, ordered, tuple(files), ignored, read_config(root))
 
 
@@ -128,17 +131,17 @@ def _top_level_files(root: str, suffixes: tuple[str, ...]) -> list[str]:
 
 def _no_duplicate_keys(index_name: str):
     def hook(pairs: list[tuple[str, object]]) -> dict:
-        obj: dict = {}
-        for key, value in pairs:
-            if key in obj:
-                if obj[key] != value and isinstance(value, str):
-                    raise CheckpointError(
-                        f"{index_name}: tensor {key!r} is mapped to two files, {obj[key]!r} and {value!r}; "
-                        "keep one of them in the weight_map"
-                    )
-                raise CheckpointError(f"{index_name}: duplicate key {key!r}; fix or re-download the index")
-            obj[key] = value
-        return obj
+        obj = dict(pairs)
+        if len(obj) == len(pairs):
+            return obj
+        key, value = pairs[first_repeat(pairs)]
+        first = next(v for k, v in pairs if k == key)
+        if first != value and isinstance(value, str):
+            raise CheckpointError(
+                f"{index_name}: tensor {key!r} is mapped to two files, {first!r} and {value!r}; "
+                "keep one of them in the weight_map"
+            )
+        raise CheckpointError(f"{index_name}: duplicate key {key!r}; fix or re-download the index")
 
     return hook
 
@@ -155,7 +158,8 @@ def _read_weight_map(index_path: str, index_name: str) -> dict[str, str]:
     for name, rel in weight_map.items():
         if not isinstance(rel, str):
             raise CheckpointError(f"{index_path}: weight_map[{name!r}] must be a file name, got {rel!r:.100}")
-    return {name: normalized(rel) for name, rel in weight_map.items()}
+    spelled = {rel: normalized(rel) for rel in set(weight_map.values())}   # a few files, many tensors each
+    return {name: spelled[rel] for name, rel in weight_map.items()}
 
 
 def normalized(rel: str) -> str:
@@ -189,6 +193,9 @@ def _merge(per_file: dict[str, dict[str, TensorEntry]]) -> dict[str, TensorEntry
 
 
 def _check_against_weight_map(tensors: dict[str, TensorEntry], weight_map: dict[str, str], index_name: str) -> None:
+    if len(tensors) == len(weight_map) and all(name in tensors and tensors[name].file == rel
+                                               for name, rel in weight_map.items()):
+        return  # they agree: the sorted walk below only picks the first disagreement to name
     for name, rel in sorted(weight_map.items()):
         if name not in tensors or tensors[name].file != rel:
             raise CheckpointError(

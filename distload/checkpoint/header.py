@@ -82,14 +82,23 @@ def _read_header_bytes(path: Path, shown: str) -> tuple[bytes, int]:
     return header_bytes, file_size
 
 
+def first_repeat(pairs: list[tuple[str, object]]) -> int:
+    """The index of the first pair whose key an earlier pair has (pairs with a repeated key)."""
+    seen = set()
+    for i, (key, _) in enumerate(pairs):
+        if key in seen:
+            return i
+        seen.add(key)
+    raise ValueError("no repeated key")
+
+
 def _reject_duplicate_keys(shown: str):
     def hook(pairs: list[tuple[str, object]]) -> dict:
-        obj: dict = {}
-        for key, value in pairs:
-            if key in obj:
-                # json.loads would silently keep the last one: two tensors could then claim the same name.
-                raise CheckpointError(f"{shown}: header has duplicate key {key!r}; the file is corrupt, re-save it")
-            obj[key] = value
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            # json.loads would silently keep the last one: two tensors could then claim the same name.
+            key = pairs[first_repeat(pairs)][0]
+            raise CheckpointError(f"{shown}: header has duplicate key {key!r}; the file is corrupt, re-save it")
         return obj
 
     return hook
@@ -123,7 +132,7 @@ def _is_count(value: object) -> bool:
 
 def _validated_entry(name: str, raw: object, shown: str) -> tuple[str, tuple[int, ...], int, int]:
     where = f"{shown}: tensor {name!r}"
-    if not isinstance(raw, dict) or set(raw) != _ENTRY_KEYS:
+    if not isinstance(raw, dict) or raw.keys() != _ENTRY_KEYS:
         got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
         raise CheckpointError(f"{where}: entry must have exactly keys ['data_offsets', 'dtype', 'shape'], got {got}")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
@@ -131,9 +140,10 @@ def _validated_entry(name: str, raw: object, shown: str) -> tuple[str, tuple[int
         raise CheckpointError(
             f"{where}: dtype {dtype!r} is not supported (supported: {', '.join(sorted(SAFETENSORS_TO_TORCH))})"
         )
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    # _is_count, inline (it runs for every dimension of every tensor): JSON gives plain ints or bools.
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r:.200}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and _is_count(offsets[0]) and _is_count(offsets[1])):
         raise CheckpointError(f"{where}: data_offsets must be [begin, end] non-negative integers, got {offsets!r:.200}")
     begin, end = offsets
     if end < begin:

@@ -47,8 +47,11 @@ def values_in_checkpoint(tensors, templates: set[str], var: str) -> set[int]:
     found: set[int] = set()
     for prefix in prefixes:
         parts = prefix.count(".") + 1  # loop values hold no dots: a prefix spans as many dotted parts
-        for name in tensors:
-            values = names.match(prefix, ".".join(name.split(".", parts)[:parts]))
+        head = prefix[:prefix.index("{")]   # the literal start every match has: most names fail it cheaply
+        # Many names share their first `parts` parts (a layer's tensors): each distinct one is matched once.
+        leads = {".".join(name.split(".", parts)[:parts]) for name in tensors if name.startswith(head)}
+        for lead in leads:
+            values = names.match(prefix, lead)
             if values is not None:
                 found.add(values[var])
     return found

@@ -15,7 +15,7 @@ from ..topology import Layout
 from .expected_shapes import delivered_dtype
 from .experts import expert_placement
 from .parts import check_vocab, logical_parts, oriented_shape, vector_experts
-from .shard import HEAD_STYLES, LocalLayout, Piece, cut, view2d
+from .shard import HEAD_STYLES, LocalLayout, Part, Piece, cut, view2d
 from .transpose import stored_layout
 from .ranks import RankValues
 from .types import ParamSpec, Target
@@ -90,10 +90,11 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
             raise PlanError(f"{where}: {src} has shape {list(shape)}, but a stacked expert tensor has dim 0 = "
                             f"num experts = {num_experts} (config.json); the checkpoint and config.json disagree")
         rows_per = view2d(shape)[0] // num_experts
-        return [logical_parts(target, [src], index, rules, config, row0=e * rows_per, rows=rows_per)
+        # Every expert is the same rows of one source, rows_per further down: expert 0's parts, shifted.
+        parts0 = logical_parts(target, [src], index, rules, config, row0=0, rows=rows_per)
+        return [[Part(q.source, q.row0 + e * rows_per, q.rows, q.cols) for q in parts0]
                 for e in range(num_experts)], shape[1:]
-    per_expert_parts = [logical_parts(target, list(target.expert_sources[e]), index, rules, config)
-                        for e in range(num_experts)]
+    per_expert_parts = _per_expert_parts(target, index, rules, config, num_experts)
     one_expert = (sum(p.rows for p in per_expert_parts[0]),) + \
         oriented_shape(index[target.sources[0]].shape, target.rule.transposed)[1:]
     sizes_of = [tuple((p.rows, p.cols) for p in parts) for parts in per_expert_parts]
@@ -102,6 +103,25 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
         raise PlanError(f"{where}: experts {odd} have part shapes {sizes_of[odd[0]]} but expert 0 has "
                         f"{sizes_of[0]}; every expert must have one shape (the checkpoint contradicts itself)")
     return per_expert_parts, one_expert
+
+
+def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_experts: int) -> list[list[Part]]:
+    """Each expert's logical parts. Parts depend on the sources' shapes and dtypes only, so an expert whose
+    sources look like expert 0's has expert 0's parts on its own sources; any other is cut (and checked) anew."""
+    sources0 = target.expert_sources[0]
+    parts0 = logical_parts(target, list(sources0), index, rules, config)
+    position = {s: k for k, s in enumerate(sources0)}
+    look = [(tuple(index[s].shape), index[s].dtype) for s in sources0]
+    if len(position) != len(sources0):   # a source named twice: no positional renaming
+        look = None
+    out = [parts0]
+    for e in range(1, num_experts):
+        sources = target.expert_sources[e]
+        if look is not None and [(tuple(index[s].shape), index[s].dtype) for s in sources] == look:
+            out.append([Part(sources[position[q.source]], q.row0, q.rows, q.cols) for q in parts0])
+        else:
+            out.append(logical_parts(target, list(sources), index, rules, config))
+    return out
 
 
 def _part_of(piece: Piece, parts) -> int:
@@ -116,37 +136,33 @@ class _ExpertCuts:
     """One expert param's cut per rank of an expert group, moved onto each expert and stacked per host set.
 
     Every expert has one shape (checked), so expert 0 is cut once per rank in the group and each other
-    expert's pieces are the same rectangles of its own parts: planning costs O(experts x group size)
-    per param, whatever the number of expert groups that host the same experts."""
+    expert's pieces are the same rectangles of its own parts (same source position, rows shifted by its
+    part's start): planning costs one Piece per (hosted expert, piece of the cut), nothing more."""
 
     def __init__(self, per_expert_parts, cuts: list[LocalLayout]):
-        self.parts, self.cuts = per_expert_parts, cuts
+        self.cuts = cuts
         parts0 = per_expert_parts[0]
-        self.indexed = [[(_part_of(p, parts0), p) for p in lay.pieces] for lay in cuts]
-        self._moved: dict[tuple[int, int], tuple[Piece, ...]] = {}
-
-    def moved(self, e: int, t: int) -> tuple[Piece, ...]:
-        """Expert e's pieces for rank t of the group, at slot 0."""
-        got = self._moved.get((e, t))
-        if got is None:
-            parts0, parts_e = self.parts[0], self.parts[e]
-            got = tuple(p if e == 0 else Piece(parts_e[j].source, (p.rows[0] + parts_e[j].row0 - parts0[j].row0,
-                                                                   p.rows[1] + parts_e[j].row0 - parts0[j].row0),
-                                               p.cols, p.dst_row, p.dst_col) for j, p in self.indexed[t])
-            self._moved[(e, t)] = got
-        return got
+        # Per rank of the group, expert 0's pieces as (part index, rows, cols, dst_row, dst_col).
+        self.templates = [[(_part_of(p, parts0), p.rows, p.cols, p.dst_row, p.dst_col) for p in lay.pieces]
+                          for lay in cuts]
+        # Per expert, per part: (its source, its rows' shift from expert 0's part).
+        self.moves = [[(q.source, q.row0 - q0.row0) for q, q0 in zip(parts, parts0)] for parts in per_expert_parts]
 
     def stacked(self, hosts: tuple[int, ...], t: int) -> LocalLayout:
         """Rank t's layout holding `hosts` in ascending slots (serving orientation)."""
         base = self.cuts[t]
-        rows = base.rows
-        if len(hosts) == 1:  # one expert per rank (ep as large as the experts): its pieces as moved
-            return LocalLayout(rows, base.cols, self.moved(hosts[0], t), base.padding)
-        pieces = tuple(p if not slot else Piece(p.source, p.rows, p.cols, p.dst_row + slot * rows, p.dst_col)
-                       for slot, e in enumerate(hosts) for p in self.moved(e, t))
+        rows, template = base.rows, self.templates[t]
+        pieces = []
+        for slot, e in enumerate(hosts):
+            moves, dst0 = self.moves[e], slot * rows
+            for j, src_rows, cols, dst_row, dst_col in template:
+                source, shift = moves[j]
+                if shift:
+                    src_rows = (src_rows[0] + shift, src_rows[1] + shift)
+                pieces.append(Piece(source, src_rows, cols, dst_row + dst0, dst_col))
         padding = tuple((a + slot * rows, b + slot * rows, c, d) for slot in range(len(hosts))
-                        for a, b, c, d in base.padding)
-        return LocalLayout(len(hosts) * rows, base.cols, pieces, padding)
+                        for a, b, c, d in base.padding) if base.padding else ()
+        return LocalLayout(len(hosts) * rows, base.cols, tuple(pieces), padding)
 
 
 def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, placement,
@@ -166,16 +182,22 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     cuts = _ExpertCuts(per_expert_parts, [cut(inner, per_expert_parts[0], g, t, f"{where} expert 0",
                                               label="tp-in-expert-group", **sizes) for t in range(g)])
     inner_local = [local_shape(inner, tuple(one_expert), LocalLayout(lay.rows, lay.cols, ())) for lay in cuts.cuts]
-    made: dict[tuple[int, int], tuple[ParamSpec, LocalLayout]] = {}
+    restore = rule.transposed or vector
+    tails = [inner_local[t][:1] if vector else inner_local[t] for t in range(g)]
     specs: dict[tuple, ParamSpec] = {}   # ranks of one host set mostly hold one spec (equal splits)
-    for key in dict.fromkeys(placement.keys):
-        hosts, t = placement.hosts[key[0]], key[1]
-        lay = stored_layout(cuts.stacked(hosts, t), target, index, cuts.cuts[t].rows, num_experts)
-        shape = (len(hosts),) + (inner_local[t][:1] if vector else inner_local[t])
-        spec_key = (key[0], shape, lay.padding)
-        if spec_key not in specs:
-            specs[spec_key] = ParamSpec(target.name, "expert", dtype, global_shape, shape, lay.padding, None, hosts)
-        made[key] = (specs[spec_key], lay)
+    made: dict[tuple[int, int], tuple[ParamSpec, LocalLayout]] = {}
+    for key in dict.fromkeys(placement.keys):   # distinct keys, in rank order
+        k, t = key
+        hosts = placement.hosts[k]
+        lay = cuts.stacked(hosts, t)
+        if restore:
+            lay = stored_layout(lay, target, index, cuts.cuts[t].rows, num_experts)
+        shape = (len(hosts),) + tails[t]
+        spec = specs.get((k, shape, lay.padding))
+        if spec is None:
+            spec = specs[k, shape, lay.padding] = ParamSpec(target.name, "expert", dtype, global_shape, shape,
+                                                             lay.padding, None, hosts)
+        made[key] = (spec, lay)
     values = [made[key] for key in placement.keys]
     return RankValues([s for s, _ in values], layout.world), RankValues([lay for _, lay in values], layout.world)
 

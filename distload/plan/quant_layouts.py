@@ -79,19 +79,55 @@ def block_scale_shape(shape, block) -> tuple[int, ...]:
     return (*lead, -(-n // block[0]), -(-k // block[1]))
 
 
-def _block_pieces(lay: LocalLayout, spec, scale_of: dict, tensors: dict, block) -> tuple[Piece, ...]:
-    """The weight's pieces on the block grid; _SplitBlock when an edge falls inside a block."""
-    bn, bk = block
-    n_loc, k_loc = _matrix_dims(spec.local_shape, spec.name)
-    nb_loc = -(-n_loc // bn)
-    out = []
-    for pc in lay.pieces:
-        n, k = _matrix_dims(tuple(tensors[pc.source].shape), pc.source)
+class _BlockGrid:
+    """Weight layouts -> their pieces on the block grid, for one companion.
+
+    A piece's block rectangle depends only on its geometry (its source's shape, its rows, columns and place,
+    the local matrix it lands in), which every expert and layer of one shape repeat: each geometry is mapped
+    once (and checked once), then only renamed to the scale source of the piece's weight source."""
+
+    def __init__(self, scale_of: dict, tensors: dict, block):
+        self.scale_of, self.tensors, self.block = scale_of, tensors, block
+        # local shape -> (n, k, blocks of the local grid, per weight source (its shape, the memo of its shape))
+        self.grids: dict[tuple[int, ...], tuple[int, int, int, dict]] = {}
+        self.memos: dict[tuple, dict] = {}   # (local shape, source shape) -> {piece geometry: block rectangle}
+
+    def pieces(self, lay: LocalLayout, spec) -> tuple[Piece, ...]:
+        """The weight's pieces on the block grid; _SplitBlock when an edge falls inside a block."""
+        grid = self.grids.get(spec.local_shape)
+        if grid is None:
+            n_loc, k_loc = _matrix_dims(spec.local_shape, spec.name)
+            grid = self.grids[spec.local_shape] = (n_loc, k_loc, math.prod(block_scale_shape(spec.local_shape,
+                                                                                                self.block)), {})
+        n_loc, k_loc, blocks, sources = grid
+        out, numel = [], 0
+        for pc in lay.pieces:
+            known = sources.get(pc.source)
+            if known is None:
+                shape = tuple(self.tensors[pc.source].shape)
+                known = sources[pc.source] = (shape, self.memos.setdefault((spec.local_shape, shape), {}))
+            shape, memo = known
+            geometry = pc[1:]   # rows, cols, dst_row, dst_col (a Piece is a tuple)
+            mapped = memo.get(geometry)
+            if mapped is None:
+                mapped = memo[geometry] = self._mapped(pc, shape, spec.name, n_loc, k_loc)
+            out.append(Piece(self.scale_of[pc.source], *mapped[:4]))
+            numel += mapped[4]
+        if numel != blocks:
+            raise PlanError(f"{spec.name}: its pieces do not tile the block grid "
+                            f"{list(block_scale_shape(spec.local_shape, self.block))} (padded or overlapping "
+                            f"shard?); block scales cannot be cut for this param")
+        return tuple(out)
+
+    def _mapped(self, pc: Piece, shape, name: str, n_loc: int, k_loc: int) -> tuple:
+        """(rows, cols, dst_row, dst_col, numel) of one weight piece's block rectangle, checked."""
+        bn, bk = self.block
+        n, k = _matrix_dims(shape, pc.source)
         e, a0 = divmod(pc.rows[0], n)
         a1 = pc.rows[1] - e * n
         slot, d = divmod(pc.dst_row, n_loc)
         if a1 > n:
-            raise PlanError(f"{spec.name}: a piece of {pc.source} spans several matrices; block scales cannot follow it")
+            raise PlanError(f"{name}: a piece of {pc.source} spans several matrices; block scales cannot follow it")
         (c0, c1), dc = pc.cols, pc.dst_col
         for what, lo, hi, edge, dst, size, b, dst_size in (("row", a0, a1, n, d, a1 - a0, bn, n_loc),
                                                           ("column", c0, c1, k, dc, c1 - c0, bk, k_loc)):
@@ -102,13 +138,9 @@ def _block_pieces(lay: LocalLayout, spec, scale_of: dict, tensors: dict, block) 
             if hi % b and not (hi == edge and dst + size == dst_size):
                 raise _SplitBlock(f"cuts {pc.source} at {what} {hi}")
         nb = -(-n // bn)
-        out.append(Piece(scale_of[pc.source], (e * nb + a0 // bn, e * nb + -(-a1 // bn)), (c0 // bk, -(-c1 // bk)),
-                         slot * nb_loc + d // bn, dc // bk))
-    local = block_scale_shape(spec.local_shape, block)
-    if sum(p.numel for p in out) != math.prod(local):
-        raise PlanError(f"{spec.name}: its pieces do not tile the block grid {list(local)} (padded or overlapping "
-                        f"shard?); block scales cannot be cut for this param")
-    return tuple(out)
+        nb_loc = -(-n_loc // bn)
+        rows, cols = (e * nb + a0 // bn, e * nb + -(-a1 // bn)), (c0 // bk, -(-c1 // bk))
+        return rows, cols, slot * nb_loc + d // bn, dc // bk, (rows[1] - rows[0]) * (cols[1] - cols[0])
 
 
 def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, scheme: Scheme, group: int, relayout):
@@ -123,22 +155,29 @@ def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, sch
     dtypes = sorted({tensors[s].dtype for s in c.sources})
     if len(dtypes) > 1:
         raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
-    try:
-        pieces = per_group(lambda lay, w: _block_pieces(lay, w, scale_of, tensors, block), weight_lays, weight_specs)
-    except _SplitBlock as split:
-        raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
     distinct = list(dict.fromkeys(c.sources))
     rows = sum(view2d(tuple(tensors[s].shape))[0] for s in distinct)
     cols = view2d(tuple(tensors[distinct[0]].shape))[1]
+    grid = _BlockGrid(scale_of, tensors, block)
+    specs: dict[int, tuple[ParamSpec, int, int]] = {}   # per weight spec (shared by many ranks): its scale's
 
-    def scales(w, ps):
-        local = block_scale_shape(w.local_shape, block)
-        if w.style == "expert":
-            glob = (w.global_shape[0],) + block_scale_shape(w.global_shape[1:], block)
-        else:
-            glob = (rows, cols)
-        return ParamSpec(c.name, w.style, dtypes[0], glob, local, experts=w.experts), LocalLayout(*view2d(local), ps)
-    return unzipped(per_group(scales, weight_specs, pieces))
+    def scales(lay, w):
+        pieces = grid.pieces(lay, w)
+        made = specs.get(id(w))
+        if made is None:
+            local = block_scale_shape(w.local_shape, block)
+            if w.style == "expert":
+                glob = (w.global_shape[0],) + block_scale_shape(w.global_shape[1:], block)
+            else:
+                glob = (rows, cols)
+            made = specs[id(w)] = (ParamSpec(c.name, w.style, dtypes[0], glob, local, experts=w.experts),
+                                   *view2d(local))
+        spec, local_rows, local_cols = made
+        return spec, LocalLayout(local_rows, local_cols, pieces)
+    try:
+        return unzipped(per_group(scales, weight_lays, weight_specs))
+    except _SplitBlock as split:
+        raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
 
 
 def _split_error(c: Companion, target, split: _SplitBlock, tensors, scheme: Scheme, group: int, relayout) -> PlanError:
@@ -147,8 +186,9 @@ def _split_error(c: Companion, target, split: _SplitBlock, tensors, scheme: Sche
     for q in range(1, 65):
         try:
             specs, lays = relayout(q)
+            grid = _BlockGrid(dict(c.scale_of), tensors, scheme.block)
             for lay, w in zip(lays, specs):
-                _block_pieces(lay, w, dict(c.scale_of), tensors, scheme.block)
+                grid.pieces(lay, w)
         except (_SplitBlock, PlanError):
             continue
         valid.append(q)

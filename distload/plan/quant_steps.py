@@ -14,6 +14,7 @@ as their inputs have arrived:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from .. import names
@@ -21,6 +22,7 @@ from ..errors import PlanError
 from .quant import (DEQUANTIZED_DTYPE, FP8, HIGH_PRECISION, QUANTIZED_STYLES, SCALE_DTYPE, Companion, Scheme,
                     online_scheme, with_suffix)
 from .quant_layouts import block_scale_shape
+from .ranks import RankSpecs, RankValues, per_group
 from .shard import LocalLayout, view2d
 from .types import ParamSpec
 
@@ -63,10 +65,10 @@ def _part_of(target) -> dict[str, int]:
     return {s: i for i, s in enumerate(target.sources)}
 
 
-def finalize(staging: list[dict], planned: dict, targets: dict, comps: list[Companion], tensors: dict,
-             scheme: Scheme | None, quantize: str | None = None,
-             dequantize: bool = False) -> tuple[list[dict], list[tuple[Step, ...]], str | None]:
-    """(final specs per rank, steps per rank, what the load does about quantization) from the staging specs.
+def finalize(staging: RankSpecs, planned: dict, targets: dict, comps: list[Companion], tensors: dict,
+             scheme: Scheme | None, quantize: str | None = None, dequantize: bool = False):
+    """(final specs per rank, steps per rank, what the load does about quantization) from the staging specs:
+    a quantized checkpoint's per group of ranks (RankSpecs, RankValues), --quantize's per rank (lists).
 
     planned: name -> (per-rank specs, per-rank layouts) of every planned param; targets: name -> Target.
     """
@@ -85,45 +87,75 @@ def finalize(staging: list[dict], planned: dict, targets: dict, comps: list[Comp
         # Block scales are cut with their weights and final as cut: no rank rewrites anything (and the
         # staging specs serve as the final ones, never copied per rank).
         return staging, [() for _ in staging], scheme.describe()
-    final = [dict(specs) for specs in staging]
-    steps: list[list[Step]] = [[] for _ in staging]
     if online:
+        final = [dict(specs) for specs in staging]
+        steps: list[list[Step]] = [[] for _ in staging]
         _online(final, steps, online)
         return final, [tuple(s) for s in steps], online.describe()
     by_weight: dict[str, dict[str, Companion]] = {}
     for c in comps:
         by_weight.setdefault(c.weight, {})[c.role] = c
+    final, post = _checkpoint_steps(staging, planned, targets, by_weight, tensors, scheme, dequantize)
+    return final, post, scheme.describe() + (" -> BF16 (--dequantize)" if dequantize else "")
+
+
+def _checkpoint_steps(staging: RankSpecs, planned: dict, targets: dict, by_weight: dict, tensors: dict,
+                      scheme: Scheme, dequantize: bool) -> tuple[RankSpecs, RankValues]:
+    """(final specs, steps) per group of ranks for a quantized checkpoint: each weight's groups are rewritten
+    once (weight-major, groups in rank order, so the first failure is the one a per-rank walk would meet)."""
+    per_param = dict(staging.per_param)
+    step_columns, padded_columns = [], []
+    absent = RankValues([None], staging.world)
     for weight, roles in by_weight.items():
         w_specs, w_lays = planned[weight]
         part_of = _part_of(targets[weight])
         scale, inp = roles.get("weight"), roles.get("input")
         per_part = scale is not None and not scheme.block
         several = _parts(targets[weight]) > 1
-        for r, (w, lay) in enumerate(zip(w_specs, w_lays)):
+
+        def group(w, lay, s_spec, i_spec, weight=weight, scale=scale, inp=inp, part_of=part_of, per_part=per_part,
+                  several=several):
+            """(steps, final weight spec, final scale spec, final input-scale spec; None: gone) of one group."""
             if w.style == "expert" and not w.experts:
-                continue  # this rank hosts no expert: nothing to rewrite
+                return (), w, s_spec, i_spec  # this rank hosts no expert: nothing to rewrite
             runs = _runs(lay, w, part_of) if per_part else ()
             if dequantize:
                 op = "dequantize_block" if scheme.block else "dequantize"
                 inputs = (weight,) + tuple(x.name for x in (scale, inp) if x is not None)
-                steps[r].append(Step(op, inputs, (weight,), runs, scheme.block))
-                final[r][weight] = replace(w, dtype=DEQUANTIZED_DTYPE)
-                for x in (scale, inp):
-                    if x is not None:
-                        del final[r][x.name]
-                continue
+                return (Step(op, inputs, (weight,), runs, scheme.block),), replace(w, dtype=DEQUANTIZED_DTYPE), None, None
             # A param with several weight sources holds one scale per part: fold them into one.
+            steps = []
             if per_part and several:
-                steps[r].append(Step("requantize", (weight, scale.name), (weight, scale.name), runs))
-                final[r][scale.name] = _one_scale_spec(staging[r][scale.name], w, tensors[scale.sources[0]].shape)
+                steps.append(Step("requantize", (weight, scale.name), (weight, scale.name), runs))
+                s_spec = _one_scale_spec(s_spec, w, tensors[scale.sources[0]].shape)
             if inp is not None and several:
-                steps[r].append(Step("max", (inp.name,), (inp.name,)))
-                final[r][inp.name] = _one_scale_spec(staging[r][inp.name], w, tensors[inp.sources[0]].shape)
-    for r, specs in enumerate(staging):
-        padded = sorted({n for step in steps[r] for n in step.inputs if specs[n].padding})
-        if padded:
-            raise PlanError(f"{names.describe(padded)}: a post-load step cannot read a zero-padded param")
-    return final, [tuple(s) for s in steps], scheme.describe() + (" -> BF16 (--dequantize)" if dequantize else "")
+                steps.append(Step("max", (inp.name,), (inp.name,)))
+                i_spec = _one_scale_spec(i_spec, w, tensors[inp.sources[0]].shape)
+            return tuple(steps), w, s_spec, i_spec
+        made = per_group(group, w_specs, w_lays,
+                         *(staging.per_param[x.name] if x is not None else absent for x in (scale, inp)))
+        step_columns.append(made.map(lambda m: m[0]))
+        staged = [(x.name, staging.per_param[x.name]) for x in (roles.get("weight"), inp) if x is not None]
+        padded_columns.append(per_group(_padded_inputs(weight, [n for n, _ in staged]), made,
+                                        staging.per_param[weight], *(v for _, v in staged)))
+        for k, x in ((1, weight), (2, scale and scale.name), (3, inp and inp.name)):
+            if x is not None:
+                per_param[x] = made.map(lambda m, k=k: m[k])
+    if not step_columns:
+        return staging, RankValues([()], staging.world)
+    padded = per_group(lambda *names: sorted(set().union(*names)), *padded_columns)
+    for i in range(padded.period):
+        if padded.value(i):
+            raise PlanError(f"{names.describe(padded.value(i))}: a post-load step cannot read a zero-padded param")
+    return RankSpecs(per_param, staging.world), per_group(lambda *steps: tuple(itertools.chain(*steps)), *step_columns)
+
+
+def _padded_inputs(weight: str, companions: list[str]):
+    """fn(made, weight spec, companion specs...) -> the names a group's steps read that are zero-padded."""
+    def padded(made, *specs) -> set[str]:
+        staged = dict(zip([weight] + companions, specs))
+        return {n for step in made[0] for n in step.inputs if staged[n].padding}
+    return padded
 
 
 def _parts(target) -> int:

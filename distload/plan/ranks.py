@@ -10,6 +10,7 @@ Planning and the plan therefore cost the same at 8 ranks as at 4096 for the same
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -115,7 +116,15 @@ def per_group(fn, *per_rank: RankValues) -> RankValues:
     world; the period is the lcm of theirs), computed now, so that its errors surface while planning."""
     world = per_rank[0].world
     period = math.lcm(*(v.period for v in per_rank))
-    return RankValues([fn(*(v.value(i % v.period) for v in per_rank)) for i in range(period)], world)
+    columns = [_cycled(v, period) for v in per_rank]
+    return RankValues([fn(*args) for args in zip(*columns)], world)
+
+
+def _cycled(values: RankValues, period: int):
+    """values' value for each of `period` groups, made as asked (lazy values in rank order, as fn sees them)."""
+    if values._make is None:
+        return itertools.islice(itertools.cycle(values._values), period)
+    return (values.value(i % values.period) for i in range(period))
 
 
 def unzipped(pairs: RankValues) -> tuple[RankValues, RankValues]:

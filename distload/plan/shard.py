@@ -26,13 +26,12 @@ part of a head even where the rows would divide (DeepSeek MLA's q_b_proj / kv_b_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import PlanError
 
 
-@dataclass(frozen=True)
-class Part:
+class Part(NamedTuple):
     """A logical part: rows [row0, row0 + rows) of a source tensor's 2-D view (a fused source has several)."""
     source: str
     row0: int
@@ -40,9 +39,9 @@ class Part:
     cols: int
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Copy source rows x cols (2-D view) to the destination's 2-D view at (dst_row, dst_col)."""
+class Piece(NamedTuple):
+    """Copy source rows x cols (2-D view) to the destination's 2-D view at (dst_row, dst_col). (Tuples, like
+    ranks.Ranks: a MoE plan makes one per expert source and rank of its expert group, hundreds of thousands.)"""
     source: str
     rows: tuple[int, int]
     cols: tuple[int, int]
@@ -54,8 +53,7 @@ class Piece:
         return (self.rows[1] - self.rows[0]) * (self.cols[1] - self.cols[0])
 
 
-@dataclass(frozen=True)
-class LocalLayout:
+class LocalLayout(NamedTuple):
     """What one rank holds of one param: its 2-D size, the pieces that fill it, and zero padding."""
     rows: int
     cols: int

@@ -80,6 +80,19 @@ def dropped_by(template: str, name: str) -> bool:
     return names.match(template, name) is not None
 
 
+def _dropped(tensors, templates) -> set[str]:
+    """The names some `drop` template takes. A name can match a template only if it starts with the template's
+    text before its first variable and ends with the text after its last one: only those are matched."""
+    out = set()
+    for template in templates:
+        if template.endswith(".*"):
+            head, tail = template[:-1], ""
+        else:
+            head, tail = template.split("{", 1)[0], template.rsplit("}", 1)[-1]
+        out.update(n for n in tensors if n.startswith(head) and n.endswith(tail) and dropped_by(template, n))
+    return out
+
+
 @dataclass(frozen=True)
 class Match:
     """The checkpoint against the targets: what is planned and what is not, each name list sorted."""
@@ -105,7 +118,7 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
         for rule in rules.params:
             if rule.target == alias:
                 tied_sources.update(p for form in rule.forms for p in form.parts)
-    dropped = {n for n in tensors if any(dropped_by(t, n) for t in rules.drop)}
+    dropped = _dropped(tensors, rules.drop)
     dropped |= loop_sets.past_loops(rules.drop_past, tensors, loop_ranges(rules, config))
     ignored = sorted(dropped | (tied_sources & set(tensors)))
     missing_by_target = {t.name: [s for s in t.sources if s not in tensors] for t in targets}
