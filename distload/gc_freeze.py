@@ -39,3 +39,20 @@ def with_earlier_objects_frozen(fn):
         with earlier_objects_frozen():
             return fn(*args, **kwargs)
     return wrapper
+
+
+def collector_paused(fn):
+    """Decorator: run `fn` with the cyclic collector off (restored as it was, also when fn raises). For pure
+    calls that make many small long-lived objects and no reference cycles (a plan's pieces, shares and buckets;
+    an index's tensor entries): every full collection their allocations trigger walks them all and frees nothing,
+    so they are left to reference counting, which frees them as before."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+    return wrapper

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distload.errors import CheckpointError
+from distload.gc_freeze import collector_paused
 
 from .header import TensorEntry, first_repeat, parse_safetensors_header
 from .legacy import LEGACY_SUFFIXES, legacy_entries
@@ -44,6 +45,7 @@ class CheckpointIndex:
         return sum(e.nbytes for e in self.tensors.values())
 
 
+@collector_paused  # an index is one entry object per tensor and no cycles (gc_freeze.py)
 def discover(root: str | os.PathLike) -> CheckpointIndex:
     """Index the checkpoint in directory `root` (safetensors first, then .bin/.pt)."""
     root = os.path.abspath(root)

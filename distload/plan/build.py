@@ -13,7 +13,7 @@ from ..topology import Layout
 from . import (expected_shapes, pipeline, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts,
                quant_steps, transpose)
 from .bounds import check_loop_bounds
-from .collector import collector_paused
+from ..gc_freeze import collector_paused
 from .digest import inputs_digest
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_placement
@@ -24,7 +24,7 @@ from .ranks import RankSpecs, RankValues
 from .types import LoadPlan, ParamSpec, Share, Source, is_broadcast
 
 
-@collector_paused  # a plan is many long-lived objects and no cycles (collector.py)
+@collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
 def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
                strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, quantize: str | None = None,
                dequantize: bool = False) -> LoadPlan:
