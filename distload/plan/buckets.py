@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 
-from ..dtypes import itemsize
 from .spans import Span
 from .types import Bucket, Chunk
 
@@ -21,18 +20,10 @@ from .types import Bucket, Chunk
 DEFAULT_STAGING_BYTES = 16 << 20
 
 
-def _takers(s, reader: int) -> list[tuple]:
-    """Per share of a point-to-point source: its rows, its bytes per row, its group, whether it leaves the
-    reader (plain numbers: the chunk loop runs once per chunk and share of the whole checkpoint)."""
-    isz = itemsize(s.dtype)
-    return [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz, d.ranks,
-             reader not in d.ranks) for d in s.shares]
-
-
-def _sent_per_row(s, takers: list[tuple]) -> int:
+def _sent_per_row(s) -> int:
     """Bytes per source row its groups take (each group once, whatever its number of replicas): at least what
     the reader sends of any row, since pieces of one source split its rows evenly."""
-    sent = sum((r1 - r0) * width for r0, r1, width, _, _ in takers)
+    sent = sum((r1 - r0) * width for r0, r1, width, _ in s.takers)
     return -(-sent // max(1, s.rows))
 
 
@@ -40,42 +31,41 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) 
     """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups)."""
     out = []
     cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, {}
-
-    def flush():
-        nonlocal cur, cur_read, cur_send, cur_groups
-        if cur:
-            out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
-        cur, cur_read, cur_send, cur_groups = [], 0, 0, {}
-
+    holds_reader: dict = {}   # group -> whether the reader is a member (its bytes then stay on the reader)
     for s, (first, end) in spans:
         # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
         # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
         bcast, row_bytes, name = s.broadcast, s.row_bytes, s.name
-        takers = [] if bcast else _takers(s, reader)
-        per_row = max(row_bytes, _sent_per_row(s, takers), 1)
+        takers = () if bcast else s.takers
+        per_row = max(row_bytes, _sent_per_row(s) if takers else 0, 1)
         per_chunk = max(1, staging_bytes // per_row)
         for a in range(first, max(end, first + 1), per_chunk):
             b = min(a + per_chunk, end)
             read = (b - a) * row_bytes
-            taken = [(ranks, (min(r1, b) - max(r0, a)) * width, away) for r0, r1, width, ranks, away in takers
-                     if max(r0, a) < min(r1, b)]
-            send = sum(n for _, n, away in taken if away)
+            taken, send = [], 0
+            for r0, r1, width, g in takers:  # plain comparisons: this runs per chunk and share of the checkpoint
+                lo, hi = (r0 if r0 > a else a), (r1 if r1 < b else b)
+                if lo < hi:
+                    n = (hi - lo) * width
+                    taken.append((g, n))
+                    inside = holds_reader.get(g)
+                    if inside is None:
+                        inside = holds_reader[g] = reader in g
+                    if not inside:
+                        send += n
             if cur and (cur_bcast != bcast or cur_read + read > staging_bytes
                         or (not bcast and cur_send + send > staging_bytes)):
-                flush()
+                out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
+                cur, cur_read, cur_send, cur_groups = [], 0, 0, {}
             cur_bcast = bcast
             cur.append(Chunk(name, (a, b)))
             cur_read += read
             cur_send += send
-            for g, n, _ in taken:
+            for g, n in taken:
                 cur_groups[g] = cur_groups.get(g, 0) + n
-    flush()
+    if cur:
+        out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
     return out
-
-
-def _group_key(group_bytes) -> tuple[int, int, int]:
-    g = group_bytes[0]
-    return g.first, g.step, g.count
 
 
 def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tuple[Bucket, ...]:
@@ -86,5 +76,6 @@ def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tupl
         for reader, b in zip(readers, group):
             if b is not None:
                 bcast, chunks, read, groups = b
-                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, tuple(sorted(groups, key=_group_key)), world))
+                # Ranks are (first, step, count) tuples and unique per bucket: plain tuple order sorts them.
+                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, tuple(sorted(groups)), world))
     return tuple(buckets)

@@ -10,7 +10,6 @@ buffer of its own size); a *bucket* is a run of chunks read by one reader and se
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,19 +74,26 @@ class Source:
     shares: tuple[Share, ...]
     broadcast: bool                              # every rank receives the whole tensor
 
-    # Cached: planning asks for these thousands of times per plan; a Source never changes, and cached
-    # values are not fields (equality, hashing and repr ignore them).
-    @functools.cached_property
-    def rows(self) -> int:
-        return view2d(self.shape)[0]
+    # Derived once: planning asks for these for every source and chunk; a Source never changes, and these
+    # are not fields (equality, hashing and repr ignore them). Set eagerly, not as functools.cached_property,
+    # whose first access takes a lock (Python 3.11) and costs more than the arithmetic.
+    def __post_init__(self):
+        rows, cols = view2d(self.shape)
+        object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "row_bytes", cols * itemsize(self.dtype))
+        object.__setattr__(self, "nbytes", rows * self.row_bytes)
 
-    @functools.cached_property
-    def row_bytes(self) -> int:
-        return view2d(self.shape)[1] * itemsize(self.dtype)
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return self.rows * self.row_bytes
+    @property
+    def takers(self) -> tuple[tuple[int, int, int, Ranks], ...]:
+        """Per share: (first row, end row, bytes per row, group) as plain values, computed once (the chunk
+        loops of buckets.py and spans.py walk them for every chunk of the whole checkpoint)."""
+        got = self.__dict__.get("_takers")
+        if got is None:
+            isz = itemsize(self.dtype)
+            got = tuple((d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz, d.ranks)
+                        for d in self.shares)
+            object.__setattr__(self, "_takers", got)
+        return got
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
