@@ -23,36 +23,38 @@ DEFAULT_STAGING_BYTES = 16 << 20
 def _sent_per_row(s) -> int:
     """Bytes per source row its groups take (each group once, whatever its number of replicas): at least what
     the reader sends of any row, since pieces of one source split its rows evenly."""
-    sent = sum((r1 - r0) * width for r0, r1, width, _ in s.takers)
+    sent = sum([(r1 - r0) * width for r0, r1, width, _ in s.takers])
     return -(-sent // max(1, s.rows))
+
+
+class _Members(dict):
+    """group -> whether `rank` is a member, each group tested once."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def __missing__(self, group) -> bool:
+        inside = self[group] = self.rank in group
+        return inside
 
 
 def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) -> list[tuple]:
     """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups)."""
     out = []
     cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, {}
-    holds_reader: dict = {}   # group -> whether the reader is a member (its bytes then stay on the reader)
+    holds_reader = _Members(reader)
+    # Sources whose shares look alike (one expert's projections in every layer, say) chunk alike: each
+    # distinct (shares, rows, span) is chunked once per reader.
+    chunked: dict[tuple, list[tuple]] = {}
     for s, (first, end) in spans:
-        # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
-        # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
         bcast, row_bytes, name = s.broadcast, s.row_bytes, s.name
         takers = () if bcast else s.takers
-        per_row = max(row_bytes, _sent_per_row(s) if takers else 0, 1)
-        per_chunk = max(1, staging_bytes // per_row)
-        for a in range(first, max(end, first + 1), per_chunk):
-            b = min(a + per_chunk, end)
-            read = (b - a) * row_bytes
-            taken, send = [], 0
-            for r0, r1, width, g in takers:  # plain comparisons: this runs per chunk and share of the checkpoint
-                lo, hi = (r0 if r0 > a else a), (r1 if r1 < b else b)
-                if lo < hi:
-                    n = (hi - lo) * width
-                    taken.append((g, n))
-                    inside = holds_reader.get(g)
-                    if inside is None:
-                        inside = holds_reader[g] = reader in g
-                    if not inside:
-                        send += n
+        key = (takers, s.rows, row_bytes, first, end)
+        chunks = chunked.get(key)
+        if chunks is None:
+            chunks = chunked[key] = _chunks(s, takers, first, end, staging_bytes, holds_reader)
+        for a, b, read, send, groups in chunks:
             if cur and (cur_bcast != bcast or cur_read + read > staging_bytes
                         or (not bcast and cur_send + send > staging_bytes)):
                 out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
@@ -61,10 +63,36 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) 
             cur.append(Chunk(name, (a, b)))
             cur_read += read
             cur_send += send
-            for g, n in taken:
+            if not cur_groups:
+                cur_groups = dict(groups)
+                continue
+            for g, n in groups:
                 cur_groups[g] = cur_groups.get(g, 0) + n
     if cur:
         out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
+    return out
+
+
+def _chunks(s, takers: tuple, first: int, end: int, staging_bytes: int, holds_reader) -> list[tuple]:
+    """Rows [first, end) of `s` as chunks: (first row, end row, bytes read, bytes the reader sends, per group
+    its bytes)."""
+    # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
+    # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
+    row_bytes = s.row_bytes
+    per_chunk = max(1, staging_bytes // max(row_bytes, _sent_per_row(s) if takers else 0, 1))
+    out = []
+    for a in range(first, max(end, first + 1), per_chunk):
+        b = min(a + per_chunk, end)
+        # Per share its bytes in rows [a, b) (plain comparisons: this runs per chunk and share of the job).
+        taken = [(g, (hi - lo) * width) for r0, r1, width, g in takers
+                 for lo, hi in (((r0 if r0 > a else a), (r1 if r1 < b else b)),) if lo < hi]
+        send = sum([n for g, n in taken if not holds_reader[g]])  # the reader's own bytes stay local
+        groups = dict(taken)
+        if len(groups) != len(taken):  # a group twice in the chunk: add up its bytes
+            groups = {}
+            for g, n in taken:
+                groups[g] = groups.get(g, 0) + n
+        out.append((a, b, (b - a) * row_bytes, send, tuple(groups.items())))
     return out
 
 

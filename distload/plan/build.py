@@ -113,6 +113,7 @@ def as_rank_values(values, layout: Layout) -> RankValues:
 def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share]]:
     """Per checkpoint source the shares of its pieces (in planning order): one per group of equal ranks."""
     shares: dict[str, list[Share]] = {}
+    make = Share._make   # one per group and piece of the whole job: the tuple's own constructor
     for name, (_, lays) in planned.items():
         lays = as_rank_values(lays, layout)
         for i, group in enumerate(lays.groups()):
@@ -120,7 +121,10 @@ def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share
             if lay is None:  # ranks of another pipeline stage
                 continue
             for piece in lay.pieces:
-                shares.setdefault(piece.source, []).append(Share(group, name, piece))
+                got = shares.get(piece.source)
+                if got is None:
+                    got = shares[piece.source] = []
+                got.append(make((group, name, piece)))
     return shares
 
 

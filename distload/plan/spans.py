@@ -10,8 +10,12 @@ read once by the job.
 
 from __future__ import annotations
 
+import operator
+
 from ..topology import Layout
 from .types import Source
+
+_COUNT = operator.itemgetter(2)   # of a ranks.Ranks (first, step, count)
 
 Span = tuple  # (Source, (first row, end row)): rows of one source that one reader reads
 
@@ -48,8 +52,13 @@ def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozens
         return [(0, src.rows, frozenset())]
     lw = local_world or (1 << 62)   # 0: one node (topology.Layout.node)
     # Nodes grow with ranks, so one node holds every first and last member iff it holds the lowest and highest.
-    low = min(g[0] for _, _, _, g in takers) // lw
-    if low == max(g[0] + g[1] * (g[2] - 1) for _, _, _, g in takers) // lw:  # an expert on its host node, say
+    groups = [t[3] for t in takers]
+    low = min(groups)[0] // lw
+    if max(groups, key=_COUNT)[2] == 1:   # groups of one rank each (experts, say): their last is their first
+        high = max(groups)[0] // lw
+    else:
+        high = max(g[0] + g[1] * (g[2] - 1) for g in groups) // lw
+    if low == high:  # an expert on its host node, say
         return [(0, src.rows, frozenset((low,)))]
     rows = src.rows
     cuts = sorted({0, rows} | {r for r0, r1, _, _ in takers for r in (r0, r1) if 0 < r < rows})
@@ -79,8 +88,13 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
     home: dict[int, list[Span]] = {n: [] for n in by_node}
     home_bytes = dict.fromkeys(by_node, 0)
     shared: list[Span] = []
+    segmented: dict[tuple, list] = {}   # sources with alike shares (an expert's, layer after layer) cut alike
     for s in sources:
-        for a, b, takers in node_segments(s, layout.local_world):
+        key = (s.takers, s.rows)
+        segments = segmented.get(key)
+        if segments is None:
+            segments = segmented[key] = node_segments(s, layout.local_world)
+        for a, b, takers in segments:
             only = next(iter(takers)) if len(takers) == 1 else None
             if only in home:
                 home[only].append((s, (a, b)))

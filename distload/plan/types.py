@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..dtypes import itemsize
 from ..rules import ParamRule
@@ -55,9 +56,9 @@ class Delivery:
     piece: Piece
 
 
-@dataclass(frozen=True)
-class Share:
-    """One rectangle of a source that every rank of a group copies into one of its params."""
+class Share(NamedTuple):
+    """One rectangle of a source that every rank of a group copies into one of its params. (A tuple, as
+    ranks.Ranks: planning makes one per group and piece of the whole job.)"""
     ranks: Ranks
     param: str
     piece: Piece
@@ -74,26 +75,19 @@ class Source:
     shares: tuple[Share, ...]
     broadcast: bool                              # every rank receives the whole tensor
 
-    # Derived once: planning asks for these for every source and chunk; a Source never changes, and these
-    # are not fields (equality, hashing and repr ignore them). Set eagerly, not as functools.cached_property,
-    # whose first access takes a lock (Python 3.11) and costs more than the arithmetic.
+    # Derived once: planning asks for these for every source, chunk and share; a Source never changes, and
+    # these are not fields (equality, hashing and repr ignore them). Set eagerly: functools.cached_property's
+    # first access takes a lock (Python 3.11) and costs more than the arithmetic.
     def __post_init__(self):
         rows, cols = view2d(self.shape)
+        isz = itemsize(self.dtype)
         object.__setattr__(self, "rows", rows)
-        object.__setattr__(self, "row_bytes", cols * itemsize(self.dtype))
-        object.__setattr__(self, "nbytes", rows * self.row_bytes)
-
-    @property
-    def takers(self) -> tuple[tuple[int, int, int, Ranks], ...]:
-        """Per share: (first row, end row, bytes per row, group) as plain values, computed once (the chunk
-        loops of buckets.py and spans.py walk them for every chunk of the whole checkpoint)."""
-        got = self.__dict__.get("_takers")
-        if got is None:
-            isz = itemsize(self.dtype)
-            got = tuple((d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz, d.ranks)
-                        for d in self.shares)
-            object.__setattr__(self, "_takers", got)
-        return got
+        object.__setattr__(self, "row_bytes", cols * isz)
+        object.__setattr__(self, "nbytes", rows * cols * isz)
+        # Per share (first row, end row, bytes per row, group) as plain values: the chunk loops of buckets.py
+        # and spans.py walk them for every chunk and share of the whole checkpoint.
+        object.__setattr__(self, "takers", tuple([(r[0], r[1], (c[1] - c[0]) * isz, g) for g, _, p in self.shares
+                                                  for r, c in ((p.rows, p.cols),)]))
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
@@ -115,8 +109,8 @@ def is_broadcast(shares, shape: tuple[int, ...], world: int) -> bool:
     return len({r for s in shares for r in s.ranks.members()}) == world if len(shares) > 1 else True
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
+    """Rows [rows[0], rows[1]) of one source, read as one piece of a bucket (a tuple: one per chunk of the job)."""
     source: str
     rows: tuple[int, int]
 
