@@ -103,8 +103,11 @@ def shares_of(deliveries) -> tuple[Share, ...]:
 def is_broadcast(shares, shape: tuple[int, ...], world: int) -> bool:
     """Does every rank of `world` receive the whole tensor (each rank in exactly one share)?"""
     rows, cols = view2d(shape)
-    whole = all(s.piece.rows == (0, rows) and s.piece.cols == (0, cols) for s in shares)
-    if not whole or sum(s.ranks.count for s in shares) != world:
+    all_rows, all_cols = (0, rows), (0, cols)
+    for s in shares:  # a loop that stops at the first part piece: planning asks once per source of the job
+        if s.piece.rows != all_rows or s.piece.cols != all_cols:
+            return False
+    if sum(s.ranks.count for s in shares) != world:
         return False
     return len({r for s in shares for r in s.ranks.members()}) == world if len(shares) > 1 else True
 
