@@ -40,9 +40,10 @@ class _Members(dict):
 
 
 def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) -> list[tuple]:
-    """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups)."""
+    """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups), the
+    groups (group, bytes) in rank order."""
     out = []
-    cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, {}
+    cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, []
     holds_reader = _Members(reader)
     # Sources whose shares look alike (one expert's projections in every layer, say) chunk alike: each
     # distinct (shares, rows, span) is chunked once per reader.
@@ -57,20 +58,24 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int) 
         for a, b, read, send, groups in chunks:
             if cur and (cur_bcast != bcast or cur_read + read > staging_bytes
                         or (not bcast and cur_send + send > staging_bytes)):
-                out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
-                cur, cur_read, cur_send, cur_groups = [], 0, 0, {}
+                out.append((cur_bcast, tuple(cur), cur_read, _summed(cur_groups)))
+                cur, cur_read, cur_send, cur_groups = [], 0, 0, []
             cur_bcast = bcast
             cur.append(Chunk(name, (a, b)))
             cur_read += read
             cur_send += send
-            if not cur_groups:
-                cur_groups = dict(groups)
-                continue
-            for g, n in groups:
-                cur_groups[g] = cur_groups.get(g, 0) + n
+            cur_groups.append(groups)
     if cur:
-        out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
+        out.append((cur_bcast, tuple(cur), cur_read, _summed(cur_groups)))
     return out
+
+
+def _summed(per_chunk: list[tuple]) -> tuple:
+    """The chunks' (group, bytes) added up per group, in rank order; one chunk's as they are (a bucket of one
+    chunk, the common case, then shares its tuple with every chunk alike)."""
+    if len(per_chunk) == 1:
+        return per_chunk[0]
+    return _per_group([pair for groups in per_chunk for pair in groups])
 
 
 def _chunks(s, takers: tuple, first: int, end: int, staging_bytes: int, holds_reader) -> list[tuple]:
@@ -87,23 +92,27 @@ def _chunks(s, takers: tuple, first: int, end: int, staging_bytes: int, holds_re
         taken = [(g, (hi - lo) * width) for r0, r1, width, g in takers
                  for lo, hi in (((r0 if r0 > a else a), (r1 if r1 < b else b)),) if lo < hi]
         send = sum([n for g, n in taken if not holds_reader[g]])  # the reader's own bytes stay local
-        groups = dict(taken)
-        if len(groups) != len(taken):  # a group twice in the chunk: add up its bytes
-            groups = {}
-            for g, n in taken:
-                groups[g] = groups.get(g, 0) + n
-        out.append((a, b, (b - a) * row_bytes, send, tuple(groups.items())))
+        out.append((a, b, (b - a) * row_bytes, send, _per_group(taken)))
     return out
 
 
+def _per_group(taken: list[tuple]) -> tuple:
+    """(group, bytes) pairs added up per group, in rank order (Ranks sort as their (first, step, count))."""
+    groups = dict(taken)
+    if len(groups) != len(taken):  # a group twice in the chunk: add up its bytes
+        groups = {}
+        for g, n in taken:
+            groups[g] = groups.get(g, 0) + n
+    return tuple(sorted(groups.items()))
+
+
 def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tuple[Bucket, ...]:
-    """Number the readers' buckets, taking one from each reader in turn, so that every reader has work in
-    flight at the same time."""
+    """Number the readers' buckets (buckets_for's), taking one from each reader in turn, so that every reader
+    has work in flight at the same time."""
     buckets = []
     for group in itertools.zip_longest(*(per_reader[r] for r in readers)):
         for reader, b in zip(readers, group):
             if b is not None:
                 bcast, chunks, read, groups = b
-                # Ranks are (first, step, count) tuples and unique per bucket: plain tuple order sorts them.
-                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, tuple(sorted(groups)), world))
+                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, groups, world))
     return tuple(buckets)

@@ -10,6 +10,7 @@ buffer of its own size); a *bucket* is a run of chunks read by one reader and se
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,18 +82,22 @@ class Source:
     def __post_init__(self):
         rows, cols = view2d(self.shape)
         isz = itemsize(self.dtype)
-        object.__setattr__(self, "rows", rows)
-        object.__setattr__(self, "row_bytes", cols * isz)
-        object.__setattr__(self, "nbytes", rows * cols * isz)
-        # Per share (first row, end row, bytes per row, group) as plain values: the chunk loops of buckets.py
-        # and spans.py walk them for every chunk and share of the whole checkpoint.
-        object.__setattr__(self, "takers", tuple([(r[0], r[1], (c[1] - c[0]) * isz, g) for g, _, p in self.shares
-                                                  for r, c in ((p.rows, p.cols),)]))
+        # takers: per share (first row, end row, bytes per row, group) as plain values, which the chunk loops of
+        # buckets.py and spans.py walk for every chunk and share of the whole checkpoint.
+        self.__dict__.update(rows=rows, row_bytes=cols * isz, nbytes=rows * cols * isz, takers=_interned(tuple(
+            [(r[0], r[1], (c[1] - c[0]) * isz, g) for g, _, p in self.shares for r, c in ((p.rows, p.cols),)])))
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
         """Every member's piece, one Delivery each: O(world), for tools and tests (planning uses shares)."""
         return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks.members())
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _interned(takers: tuple) -> tuple:
+    """One object per distinct takers tuple: sources with alike shares (one expert's projection, layer after
+    layer) hold one copy, and lookups keyed by it compare by identity. (A layer's worth of patterns fits.)"""
+    return takers
 
 
 def shares_of(deliveries) -> tuple[Share, ...]:
