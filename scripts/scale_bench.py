@@ -5,7 +5,8 @@ count; data regions left as holes, so a 405B checkpoint costs a few MB of disk) 
 then, per (model, world) in a fresh subprocess with a time and memory limit, runs what one rank runs
 before its first byte moves: discover + rules_for (the "parse" column), build_plan (the "plan" column),
 plan_digest. Layout: 8 ranks per node, one reader per node, tp 8, the other ranks data-parallel replicas;
-MoE models add ep = world / 8 (at most the number of experts). Prints a markdown table (BENCHMARKS.md, "Scale: planning one rank").
+MoE models add ep = world / 8 (at most the number of experts). Prints a markdown table (BENCHMARKS.md,
+"Scale: planning one rank").
 
     python scripts/scale_bench.py --models llama3-70b --worlds 8,64 --limit-s 60
 """

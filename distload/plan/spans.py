@@ -57,12 +57,12 @@ def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozens
     if max(groups, key=_COUNT)[2] == 1:   # groups of one rank each (experts, say): their last is their first
         high = max(groups)[0] // lw
     else:
-        high = max(g[0] + g[1] * (g[2] - 1) for g in groups) // lw
+        high = max(g.last for g in groups) // lw
     if low == high:  # an expert on its host node, say
         return [(0, src.rows, frozenset((low,)))]
     rows = src.rows
     cuts = sorted({0, rows} | {r for r0, r1, _, _ in takers for r in (r0, r1) if 0 < r < rows})
-    starts = sorted((r0, r1, n) for r0, r1, _, g in takers for n in {g[0] // lw, (g[0] + g[1] * (g[2] - 1)) // lw})
+    starts = sorted((r0, r1, n) for r0, r1, _, g in takers for n in {g.first // lw, g.last // lw})
     segments, active, k = [], [], 0
     for a, b in zip(cuts, cuts[1:]):
         while k < len(starts) and starts[k][0] <= a:
@@ -108,8 +108,7 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
     out = {}
     for n in nodes:
         # Both lists are in file order already; only a node topped up with shared rows needs the merge.
-        spans = home[n] + extra[n] if not extra[n] else sorted(home[n] + extra[n], key=lambda x: (order[x[0].name], x[1]))
-        spans = merged(spans)
+        spans = merged(sorted(home[n] + extra[n], key=lambda x: (order[x[0].name], x[1])) if extra[n] else home[n])
         share = sum(span_bytes(x) for x in spans) / len(by_node[n])
         out.update(byte_runs(spans, by_node[n], [share] * len(by_node[n])))
     return out
