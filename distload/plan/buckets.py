@@ -75,7 +75,10 @@ def _summed(per_chunk: list[tuple]) -> tuple:
     chunk, the common case, then shares its tuple with every chunk alike)."""
     if len(per_chunk) == 1:
         return per_chunk[0]
-    return _per_group([pair for groups in per_chunk for pair in groups])
+    groups = [g for g, _ in per_chunk[0]]
+    if all([g for g, _ in chunk] == groups for chunk in per_chunk[1:]):  # the same groups (a weight and its scale)
+        return tuple(zip(groups, map(sum, zip(*([n for _, n in chunk] for chunk in per_chunk)))))
+    return _per_group([pair for chunk in per_chunk for pair in chunk])
 
 
 def _chunks(s, takers: tuple, first: int, end: int, staging_bytes: int, holds_reader) -> list[tuple]:
