@@ -3,9 +3,10 @@
 Writes sparse safetensors checkpoints (real headers: the published tensor names, dtypes, shapes and file
 count; data regions left as holes, so a 405B checkpoint costs a few MB of disk) and a real config.json,
 then, per (model, world) in a fresh subprocess with a time and memory limit, runs what one rank runs
-before its first byte moves: discover + rules_for + build_plan (+ plan_digest). Layout: 8 ranks per node,
-one reader per node, tp 8, the other ranks data-parallel replicas; MoE models add ep = world / 8 (at most
-the number of experts). Prints a markdown table (BENCHMARKS.md, "Scale: planning one rank").
+before its first byte moves: discover + rules_for (the "parse" column), build_plan (the "plan" column),
+plan_digest. Layout: 8 ranks per node, one reader per node, tp 8, the other ranks data-parallel replicas;
+MoE models add ep = world / 8 (at most the number of experts). Prints a markdown table (BENCHMARKS.md,
+"Scale: planning one rank").
 
     python scripts/scale_bench.py --models llama3-70b --worlds 8,64 --limit-s 60
 """
@@ -240,6 +241,8 @@ def measure(model: str, world: int, rank: int, cache: Path) -> dict:
     cpu0 = time.process_time()
     index = discover(root)
     rules = rules_for(index.config)
+    cpu_parse = time.process_time() - cpu0
+    cpu0 = time.process_time()
     plan = build_plan(index.tensors, index.config, rules, layout)
     cpu_plan = time.process_time() - cpu0
     peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
@@ -247,7 +250,7 @@ def measure(model: str, world: int, rank: int, cache: Path) -> dict:
     plan_digest(plan)
     cpu_digest = time.process_time() - cpu0
     traffic = rank_messages(plan, rank)
-    return dict(tensors=len(index.tensors), plan_s=cpu_plan, peak_mb=peak / 1e6, buckets=len(plan.buckets),
+    return dict(tensors=len(index.tensors), parse_s=cpu_parse, plan_s=cpu_plan, peak_mb=peak / 1e6, buckets=len(plan.buckets),
                 p2p=traffic["sends"] + traffic["receives"], bcast=traffic["broadcasts"], fanout=traffic["fanouts"],
                 record=detail_record_bytes(plan, rank), digest_s=cpu_digest, ep=layout.ep)
 
@@ -287,7 +290,9 @@ def _child_rss_mb(pid: int) -> float:
     return 0.0
 
 
-COLUMNS = ("model", "world", "tensors", "plan CPU s", "plan peak MB", "buckets", "p2p messages (rank)",
+# "parse s": discover + rules_for (reading the headers and config.json); "plan CPU s": build_plan alone, the
+# planning the issue bounds; the peak covers both (RSS high-water mark over the process's start).
+COLUMNS = ("model", "world", "tensors", "parse s", "plan CPU s", "parse+plan peak MB", "buckets", "p2p messages (rank)",
            "broadcasts (rank)", "fan-outs (rank)", "plan_digest CPU s", "detail record B", "reconcile recv/rank B")
 
 
@@ -296,7 +301,7 @@ def table_row(model: str, world: int, res) -> str:
     received = f"{world * reconcile.SUMMARY_BYTES:,}"
     if isinstance(res, str):
         return f"| {model} | {world} | " + " | ".join([res] + [""] * (len(COLUMNS) - 4) + [received]) + " |"
-    cells = [res["tensors"], f"{res['plan_s']:.2f}", f"{res['peak_mb']:.0f}", res["buckets"], res["p2p"],
+    cells = [res["tensors"], f"{res['parse_s']:.2f}", f"{res['plan_s']:.2f}", f"{res['peak_mb']:.0f}", res["buckets"], res["p2p"],
              res["bcast"], res["fanout"], f"{res['digest_s']:.2f}", res["record"], received]
     return f"| {model} | {world}" + (f" (ep {res['ep']})" if res["ep"] > 1 else "") + " | " + \
         " | ".join(f"{c:,}" if isinstance(c, int) else c for c in cells) + " |"

@@ -29,6 +29,8 @@ def test_quick_run_prints_a_table_of_numbers(tmp_path):
         assert len(row) == len(columns), row
         values = {c: float(v.replace(",", "")) for c, v in zip(columns[2:], row[2:])}  # every cell a number
         assert values["tensors"] == 21 and values["buckets"] >= 1 and values["p2p messages (rank)"] >= 1, row
+        # Parsing the headers and planning are separate columns: "plan CPU s" is build_plan alone.
+        assert values["parse s"] >= 0 and values["plan CPU s"] >= 0, row
         assert values["detail record B"] > 0 and values["reconcile recv/rank B"] > 0, row
     config = json.loads((tmp_path / "tiny-llama" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]

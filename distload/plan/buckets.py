@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 
-from ..dtypes import itemsize
 from .spans import Span
 from .types import Bucket, Chunk
 
@@ -21,71 +20,105 @@ from .types import Bucket, Chunk
 DEFAULT_STAGING_BYTES = 16 << 20
 
 
-def _takers(s, reader: int, same_node) -> list[tuple]:
-    """Per share of a point-to-point source: its rows, its bytes per row, its group, whether it leaves the
-    reader (plain numbers: the chunk loop runs once per chunk and share of the whole checkpoint). A per-node
-    source's reader serves only its own node's groups (their shares are split by node)."""
-    isz = itemsize(s.dtype)
-    return [(d.piece.rows[0], d.piece.rows[1], (d.piece.cols[1] - d.piece.cols[0]) * isz, d.ranks,
-             reader not in d.ranks) for d in s.shares if not s.per_node or same_node(d.ranks.first, reader)]
-
-
-def _sent_per_row(s, takers: list[tuple]) -> int:
+def _sent_per_row(s, takers: tuple) -> int:
     """Bytes per source row its groups take (each group once, whatever its number of replicas): at least what
     the reader sends of any row, since pieces of one source split its rows evenly."""
-    sent = sum((r1 - r0) * width for r0, r1, width, _, _ in takers)
+    sent = sum([(r1 - r0) * width for r0, r1, width, _ in takers])
     return -(-sent // max(1, s.rows))
 
 
+class _Members(dict):
+    """group -> whether `rank` is a member, each group tested once."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def __missing__(self, group) -> bool:
+        inside = self[group] = self.rank in group
+        return inside
+
+
 def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int, same_node=None) -> list[tuple]:
-    """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups)."""
+    """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups), the
+    groups (group, bytes) in rank order. A per-node source's reader serves only its own node's groups (their
+    shares are split by node: pipeline.split_by_node)."""
     out = []
-    cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, {}
-
-    def flush():
-        nonlocal cur, cur_read, cur_send, cur_groups
-        if cur:
-            out.append((cur_bcast, tuple(cur), cur_read, tuple(cur_groups.items())))
-        cur, cur_read, cur_send, cur_groups = [], 0, 0, {}
-
+    cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, []
+    holds_reader = _Members(reader)
+    # Sources whose shares look alike (one expert's projections in every layer, say) chunk alike: each
+    # distinct (shares, rows, span) is chunked once per reader.
+    chunked: dict[tuple, list[tuple]] = {}
     for s, (first, end) in spans:
-        # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
-        # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
         bcast, row_bytes, name = s.broadcast, s.row_bytes, s.name
-        takers = [] if bcast else _takers(s, reader, same_node)
-        per_row = max(row_bytes, _sent_per_row(s, takers), 1)
-        per_chunk = max(1, staging_bytes // per_row)
-        for a in range(first, max(end, first + 1), per_chunk):
-            b = min(a + per_chunk, end)
-            read = (b - a) * row_bytes
-            taken = [(ranks, (min(r1, b) - max(r0, a)) * width, away) for r0, r1, width, ranks, away in takers
-                     if max(r0, a) < min(r1, b)]
-            send = sum(n for _, n, away in taken if away)
+        takers = () if bcast else s.takers
+        if s.per_node:
+            takers = tuple(t for t in takers if same_node(t[3].first, reader))
+        key = (takers, s.rows, row_bytes, first, end)
+        chunks = chunked.get(key)
+        if chunks is None:
+            chunks = chunked[key] = _chunks(s, takers, first, end, staging_bytes, holds_reader)
+        for a, b, read, send, groups in chunks:
             if cur and (cur_bcast != bcast or cur_read + read > staging_bytes
                         or (not bcast and cur_send + send > staging_bytes)):
-                flush()
+                out.append((cur_bcast, tuple(cur), cur_read, _summed(cur_groups)))
+                cur, cur_read, cur_send, cur_groups = [], 0, 0, []
             cur_bcast = bcast
             cur.append(Chunk(name, (a, b)))
             cur_read += read
             cur_send += send
-            for g, n, _ in taken:
-                cur_groups[g] = cur_groups.get(g, 0) + n
-    flush()
+            cur_groups.append(groups)
+    if cur:
+        out.append((cur_bcast, tuple(cur), cur_read, _summed(cur_groups)))
     return out
 
 
-def _group_key(group_bytes) -> tuple[int, int, int]:
-    g = group_bytes[0]
-    return g.first, g.step, g.count
+def _summed(per_chunk: list[tuple]) -> tuple:
+    """The chunks' (group, bytes) added up per group, in rank order; one chunk's as they are (a bucket of one
+    chunk, the common case, then shares its tuple with every chunk alike)."""
+    if len(per_chunk) == 1:
+        return per_chunk[0]
+    groups = [g for g, _ in per_chunk[0]]
+    if all([g for g, _ in chunk] == groups for chunk in per_chunk[1:]):  # the same groups (a weight and its scale)
+        return tuple(zip(groups, map(sum, zip(*([n for _, n in chunk] for chunk in per_chunk)))))
+    return _per_group([pair for chunk in per_chunk for pair in chunk])
+
+
+def _chunks(s, takers: tuple, first: int, end: int, staging_bytes: int, holds_reader) -> list[tuple]:
+    """Rows [first, end) of `s` as chunks: (first row, end row, bytes read, bytes the reader sends, per group
+    its bytes)."""
+    # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
+    # tp > kv heads) make a row's sent bytes a multiple of its read bytes.
+    row_bytes = s.row_bytes
+    per_chunk = max(1, staging_bytes // max(row_bytes, _sent_per_row(s, takers) if takers else 0, 1))
+    out = []
+    for a in range(first, max(end, first + 1), per_chunk):
+        b = min(a + per_chunk, end)
+        # Per share its bytes in rows [a, b) (plain comparisons: this runs per chunk and share of the job).
+        taken = [(g, (hi - lo) * width) for r0, r1, width, g in takers
+                 for lo, hi in (((r0 if r0 > a else a), (r1 if r1 < b else b)),) if lo < hi]
+        send = sum([n for g, n in taken if not holds_reader[g]])  # the reader's own bytes stay local
+        out.append((a, b, (b - a) * row_bytes, send, _per_group(taken)))
+    return out
+
+
+def _per_group(taken: list[tuple]) -> tuple:
+    """(group, bytes) pairs added up per group, in rank order (Ranks sort as their (first, step, count))."""
+    groups = dict(taken)
+    if len(groups) != len(taken):  # a group twice in the chunk: add up its bytes
+        groups = {}
+        for g, n in taken:
+            groups[g] = groups.get(g, 0) + n
+    return tuple(sorted(groups.items()))
 
 
 def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tuple[Bucket, ...]:
-    """Number the readers' buckets, taking one from each reader in turn, so that every reader has work in
-    flight at the same time."""
+    """Number the readers' buckets (buckets_for's), taking one from each reader in turn, so that every reader
+    has work in flight at the same time."""
     buckets = []
     for group in itertools.zip_longest(*(per_reader[r] for r in readers)):
         for reader, b in zip(readers, group):
             if b is not None:
                 bcast, chunks, read, groups = b
-                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, tuple(sorted(groups, key=_group_key)), world))
+                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, groups, world))
     return tuple(buckets)

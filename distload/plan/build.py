@@ -7,6 +7,8 @@ validation (names, shapes, dtypes, divisibility) happens here, before any byte i
 
 from __future__ import annotations
 
+import collections
+
 from .. import names
 from ..rules import FamilyRules
 from ..topology import Layout
@@ -113,7 +115,8 @@ def as_rank_values(values, layout: Layout) -> RankValues:
 
 def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share]]:
     """Per checkpoint source the shares of its pieces (in planning order): one per group of equal ranks."""
-    shares: dict[str, list[Share]] = {}
+    shares: dict[str, list[Share]] = collections.defaultdict(list)
+    new = tuple.__new__   # one Share per group and piece of the whole job: the tuple's own constructor
     for name, (_, lays) in planned.items():
         lays = as_rank_values(lays, layout)
         for i, group in enumerate(lays.groups()):
@@ -121,8 +124,8 @@ def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share
             if lay is None:  # ranks of another pipeline stage
                 continue
             for piece in lay.pieces:
-                shares.setdefault(piece.source, []).append(Share(group, name, piece))
-    return shares
+                shares[piece.source].append(new(Share, (group, name, piece)))
+    return dict(shares)
 
 
 def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:

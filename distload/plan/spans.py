@@ -11,8 +11,12 @@ each node that takes it reads for its own ranks.
 
 from __future__ import annotations
 
+import operator
+
 from ..topology import Layout
 from .types import Source
+
+_COUNT = operator.itemgetter(2)   # of a ranks.Ranks (first, step, count)
 
 Span = tuple  # (Source, (first row, end row)): rows of one source that one reader reads
 
@@ -30,25 +34,36 @@ def byte_runs(spans: list[Span], readers: tuple[int, ...], quotas: list[float]) 
     """
     runs = {r: [] for r in readers}
     i, acc, upto = 0, 0, quotas[0] if quotas else 0
+    last = len(readers) - 1
     for span in spans:
-        while i < len(readers) - 1 and acc >= upto:
+        while i < last and acc >= upto:
             i += 1
             upto += quotas[i]
         runs[readers[i]].append(span)
-        acc += span_bytes(span)
+        acc += (span[1][1] - span[1][0]) * span[0].row_bytes
     return runs
 
 
-def node_segments(src: Source, node_of) -> list[tuple[int, int, frozenset]]:
+def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozenset]]:
     """The source's rows cut where the set of nodes taking them changes: (first row, end row, nodes). A group
     of replicas on several nodes counts as its first and last member's nodes (all that matters is whether
-    one node alone takes the rows)."""
-    ends = {node_of(r) for d in src.shares for r in (d.ranks.first, d.ranks.last)}
-    if len(ends) == 1:  # one node takes every row (an expert on its host node, say)
-        return [(0, src.rows, frozenset(ends))]
-    cuts = sorted({0, src.rows} | {r for d in src.shares for r in d.piece.rows if 0 < r < src.rows})
-    starts = sorted((d.piece.rows[0], d.piece.rows[1], n) for d in src.shares
-                    for n in {node_of(d.ranks.first), node_of(d.ranks.last)})
+    one node alone takes the rows). `local_world`: ranks per node (torchrun numbers ranks node by node)."""
+    takers = src.takers
+    if not takers:
+        return [(0, src.rows, frozenset())]
+    lw = local_world or (1 << 62)   # 0: one node (topology.Layout.node)
+    # Nodes grow with ranks, so one node holds every first and last member iff it holds the lowest and highest.
+    groups = [t[3] for t in takers]
+    low = min(groups)[0] // lw
+    if max(groups, key=_COUNT)[2] == 1:   # groups of one rank each (experts, say): their last is their first
+        high = max(groups)[0] // lw
+    else:
+        high = max(g.last for g in groups) // lw
+    if low == high:  # an expert on its host node, say
+        return [(0, src.rows, frozenset((low,)))]
+    rows = src.rows
+    cuts = sorted({0, rows} | {r for r0, r1, _, _ in takers for r in (r0, r1) if 0 < r < rows})
+    starts = sorted((r0, r1, n) for r0, r1, _, g in takers for n in {g.first // lw, g.last // lw})
     segments, active, k = [], [], 0
     for a, b in zip(cuts, cuts[1:]):
         while k < len(starts) and starts[k][0] <= a:
@@ -66,29 +81,40 @@ def node_segments(src: Source, node_of) -> list[tuple[int, int, frozenset]]:
 def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]:
     """Per reader, the spans it reads (see the module docstring); `sources` are in file order."""
     readers = layout.readers
-    whole = [(s, (0, s.rows)) for s in sources]
-    total = sum(span_bytes(x) for x in whole)
+    total = sum(s.nbytes for s in sources)
     if not layout.reads_by_node:
-        return byte_runs(whole, readers, [total / len(readers)] * len(readers))
+        return byte_runs([(s, (0, s.rows)) for s in sources], readers, [total / len(readers)] * len(readers))
     nodes = layout.reader_nodes
     by_node = {n: layout.readers_on(n) for n in nodes}
     home: dict[int, list[Span]] = {n: [] for n in by_node}
+    home_bytes = dict.fromkeys(by_node, 0)
     shared: list[Span] = []
+    segmented: dict[tuple, list] = {}   # sources with alike shares (an expert's, layer after layer) cut alike
     for s in sources:
-        for a, b, takers in node_segments(s, layout.node):
+        key = (s.takers, s.rows)
+        segments = segmented.get(key)
+        if segments is None:
+            segments = segmented[key] = node_segments(s, layout.local_world)
+        for a, b, takers in segments:
             if s.per_node:   # each taking node's reader reads these rows for its own ranks
                 for n in takers:
                     home[n].append((s, (a, b)))
+                    home_bytes[n] += (b - a) * s.row_bytes
                 continue
             only = next(iter(takers)) if len(takers) == 1 else None
-            (home[only] if only in home else shared).append((s, (a, b)))
+            if only in home:
+                home[only].append((s, (a, b)))
+                home_bytes[only] += (b - a) * s.row_bytes
+            else:
+                shared.append((s, (a, b)))
     # Each node reads its share (in proportion to its readers): its own rows, topped up with shared ones.
-    quota = [max(0.0, total * len(by_node[n]) / len(readers) - sum(span_bytes(x) for x in home[n])) for n in nodes]
+    quota = [max(0.0, total * len(by_node[n]) / len(readers) - home_bytes[n]) for n in nodes]
     extra = byte_runs(shared, nodes, quota if sum(quota) else [1.0] * len(nodes))
     order = {s.name: i for i, s in enumerate(sources)}
     out = {}
     for n in nodes:
-        spans = merged(sorted(home[n] + extra[n], key=lambda x: (order[x[0].name], x[1])))
+        # Both lists are in file order already; only a node topped up with shared rows needs the merge.
+        spans = merged(sorted(home[n] + extra[n], key=lambda x: (order[x[0].name], x[1])) if extra[n] else home[n])
         share = sum(span_bytes(x) for x in spans) / len(by_node[n])
         out.update(byte_runs(spans, by_node[n], [share] * len(by_node[n])))
     return out

@@ -14,6 +14,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..dtypes import itemsize
 from ..rules import ParamRule
@@ -56,9 +57,9 @@ class Delivery:
     piece: Piece
 
 
-@dataclass(frozen=True)
-class Share:
-    """One rectangle of a source that every rank of a group copies into one of its params."""
+class Share(NamedTuple):
+    """One rectangle of a source that every rank of a group copies into one of its params. (A tuple, as
+    ranks.Ranks: planning makes one per group and piece of the whole job.)"""
     ranks: Ranks
     param: str
     piece: Piece
@@ -78,24 +79,28 @@ class Source:
     # the first and the last pipeline stage hold: no byte of it crosses between the stages' nodes).
     per_node: bool = False
 
-    # Cached: planning asks for these thousands of times per plan; a Source never changes, and cached
-    # values are not fields (equality, hashing and repr ignore them).
-    @functools.cached_property
-    def rows(self) -> int:
-        return view2d(self.shape)[0]
-
-    @functools.cached_property
-    def row_bytes(self) -> int:
-        return view2d(self.shape)[1] * itemsize(self.dtype)
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return self.rows * self.row_bytes
+    # Derived once: planning asks for these for every source, chunk and share; a Source never changes, and
+    # these are not fields (equality, hashing and repr ignore them). Set eagerly: functools.cached_property's
+    # first access takes a lock (Python 3.11) and costs more than the arithmetic.
+    def __post_init__(self):
+        rows, cols = view2d(self.shape)
+        isz = itemsize(self.dtype)
+        # takers: per share (first row, end row, bytes per row, group) as plain values, which the chunk loops of
+        # buckets.py and spans.py walk for every chunk and share of the whole checkpoint.
+        self.__dict__.update(rows=rows, row_bytes=cols * isz, nbytes=rows * cols * isz, takers=_interned(tuple(
+            [(r[0], r[1], (c[1] - c[0]) * isz, g) for g, _, p in self.shares for r, c in ((p.rows, p.cols),)])))
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
         """Every member's piece, one Delivery each: O(world), for tools and tests (planning uses shares)."""
         return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks.members())
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _interned(takers: tuple) -> tuple:
+    """One object per distinct takers tuple: sources with alike shares (one expert's projection, layer after
+    layer) hold one copy, and lookups keyed by it compare by identity. (A layer's worth of patterns fits.)"""
+    return takers
 
 
 def shares_of(deliveries) -> tuple[Share, ...]:
@@ -106,14 +111,17 @@ def shares_of(deliveries) -> tuple[Share, ...]:
 def is_broadcast(shares, shape: tuple[int, ...], world: int) -> bool:
     """Does every rank of `world` receive the whole tensor (each rank in exactly one share)?"""
     rows, cols = view2d(shape)
-    whole = all(s.piece.rows == (0, rows) and s.piece.cols == (0, cols) for s in shares)
-    if not whole or sum(s.ranks.count for s in shares) != world:
+    all_rows, all_cols = (0, rows), (0, cols)
+    for s in shares:  # a loop that stops at the first part piece: planning asks once per source of the job
+        if s.piece.rows != all_rows or s.piece.cols != all_cols:
+            return False
+    if sum(s.ranks.count for s in shares) != world:
         return False
     return len({r for s in shares for r in s.ranks.members()}) == world if len(shares) > 1 else True
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
+    """Rows [rows[0], rows[1]) of one source, read as one piece of a bucket (a tuple: one per chunk of the job)."""
     source: str
     rows: tuple[int, int]
 
