@@ -17,8 +17,7 @@
     transpose.py      params stored transposed (GPT-2's Conv1D): staged as stored, turned after landing
     bounds.py         loop values config.json claims, bounded by what the checkpoint holds
     expected_shapes.py  every claimed tensor's full shape and dtype, from the rules' shape/dtype keys
-    build.py          build_plan: the above in order
-    collector.py      the cyclic garbage collector paused while planning
+    build.py          build_plan: the above in order (the collector paused: gc_freeze.collector_paused)
     wire.py           per bucket and rank: the wire ops each side posts (sender and receiver agree)
     reshard.py        plans that reload (and re-cut) a sharded save
     pipeline.py       pipeline stages: which ranks hold each param (distload/stages.py: the layer split)
