@@ -62,21 +62,18 @@ values computed from config.json, and say `only = "<set>"` or `unless = "<set>"`
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 from . import dim_expr, loop_sets, names
 from .errors import RuleError
 from .loop_sets import LoopSet
 from .mtp import MtpRule, parse_mtp, with_mtp
+from .rules_files import config_dir, merged_tables
 
 STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed", "expert",
           "rank0")
 INNER_STYLES = ("column", "row", "merged", "replicate", "rank0")
-TOP_KEYS = {"name", "architectures", "extends", "dims", "loops", "drop", "tie", "params", "expert_prefix", "sets",
-            "remove", "drop_past", "mtp"}
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
               "dtype", "when", "transposed", "groups"}
 # float: the checkpoint's weight dtype; any-float: any float width; float32: any float width, delivered as F32
@@ -158,65 +155,6 @@ def eval_dim(expr: str, config: dict, where: str) -> int:
     return dim_expr.evaluate(expr, dim_expr.config_lookup(config), where)[0]
 
 
-def _config_dir():
-    return resources.files("distload.configs")
-
-
-def _read_toml(path) -> dict:
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise RuleError(f"{path}: not valid TOML: {exc}") from None
-
-
-def _parent_file(path, parent):
-    """The file `extends = parent` names: next to the extending file first, else the shipped family."""
-    if not isinstance(parent, str) or not parent or "/" in parent or "\\" in parent:
-        raise RuleError(f"{path}: extends must name a family (a file stem such as \"llama\"), got {parent!r}")
-    beside = path.parent / f"{parent}.toml" if isinstance(path, Path) else None
-    if beside is not None and beside.is_file():
-        return beside
-    shipped = _config_dir() / f"{parent}.toml"
-    if not shipped.is_file():
-        beside_text = f"{beside} does not exist, nor does" if beside is not None else "there is no"
-        raise RuleError(f"{path}: extends {parent!r}, but {beside_text} a shipped configs/{parent}.toml")
-    return shipped
-
-
-def _merged_tables(path, seen=()) -> dict:
-    data = _read_toml(path)
-    unknown = set(data) - TOP_KEYS
-    if unknown:
-        raise RuleError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
-    parent = data.pop("extends", None)
-    if parent is None:
-        if "remove" in data:
-            raise RuleError(f"{path}: remove takes params away from the family it extends; this file extends none")
-        return data
-    if parent in seen:
-        raise RuleError(f"{path}: 'extends' cycle through {parent!r}")
-    base_path = _parent_file(path, parent)
-    base = _merged_tables(base_path, seen + (parent,))
-    for key in ("dims", "loops", "params", "sets", "mtp"):
-        base[key] = {**base.get(key, {}), **data.get(key, {})}
-    for key in ("drop", "drop_past"):
-        base[key] = list(base.get(key, [])) + list(data.get(key, []))
-    removed = data.get("remove", [])
-    if not isinstance(removed, list) or not all(isinstance(t, str) for t in removed):
-        raise RuleError(f"{path}: remove must be a list of inherited param names, got {removed!r}")
-    for target in removed:
-        if target not in base["params"]:
-            raise RuleError(f"{path}: remove names {target!r}, which {parent!r} does not define; inherited params: "
-                            f"{names.describe(base['params'])}")
-        if target in data.get("params", {}):
-            raise RuleError(f"{path}: {target!r} is both removed and defined; keep one")
-        del base["params"][target]
-    base["tie"] = list(base.get("tie", [])) + list(data.get("tie", []))
-    # Identity is never inherited: a family that extends another still names itself and its architectures.
-    base["name"], base["architectures"] = data.get("name"), data.get("architectures")
-    return base
-
-
 def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, dims: dict) -> dict:
     """The checkpoint-form keys of a param table (parts, split, stacked), validated."""
     raw_parts, raw_split = table.get("parts", [target]), table.get("split", [])
@@ -275,7 +213,7 @@ def _parse_shape(table: dict, target: str, where: str, dims: dict) -> tuple[str,
 
 def parse_rules(path) -> FamilyRules:
     """Parse and validate one family file (path or importlib resource)."""
-    data = _merged_tables(path)
+    data = merged_tables(path)
     where = str(path)
     loops, dims = data.get("loops", {}), data.get("dims", {})
     sets = loop_sets.parse_sets(data, where)
@@ -356,7 +294,7 @@ def shipped_families() -> list[FamilyRules]:
 
     Parsed once per process while the files stay the same (names, sizes, mtimes): every rank plans every
     load, and parsing all the families cost ~10 ms of each rank's plan phase."""
-    files = sorted((p for p in _config_dir().iterdir() if p.name.endswith(".toml")), key=lambda p: p.name)
+    files = sorted((p for p in config_dir().iterdir() if p.name.endswith(".toml")), key=lambda p: p.name)
     key = tuple((p.name, *_stamp(p)) for p in files)
     if key not in _shipped_cache:
         _shipped_cache.clear()
