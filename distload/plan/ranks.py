@@ -44,14 +44,11 @@ class Ranks(NamedTuple):
 
     def on_node(self, node: int, local_world: int) -> int:
         """How many members run on `node` (local_world ranks per node, torchrun's numbering)."""
-        if not local_world:
-            return self.count
-        lo = max(0, -(-(node * local_world - self.first) // self.step))
-        hi = min(self.count - 1, -(-((node + 1) * local_world - self.first) // self.step) - 1)
-        return max(0, hi - lo + 1)
+        part = self.part_on_node(node, local_world)
+        return part.count if part else 0
 
     def part_on_node(self, node: int, local_world: int) -> "Ranks | None":
-        """The members that run on `node`, as a group (None: none do)."""
+        """The members that run on `node`, as a group (None: none do; all of them when local_world is 0)."""
         if not local_world:
             return self
         lo = max(0, -(-(node * local_world - self.first) // self.step))
