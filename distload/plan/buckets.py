@@ -49,19 +49,21 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int, 
     # Sources whose shares look alike (one expert's projections in every layer, say) chunk alike: each
     # distinct (shares, rows, span) is chunked once per reader.
     chunked: dict[tuple, list[tuple]] = {}
+    summed: dict[tuple, tuple] = {}   # per run of chunks' group tuples (alive in `chunked`): their sum
     for s, (first, end) in spans:
         bcast, row_bytes, name = s.broadcast, s.row_bytes, s.name
         takers = () if bcast else s.takers
         if s.per_node:
             takers = tuple(t for t in takers if same_node(t[3].first, reader))
-        key = (takers, s.rows, row_bytes, first, end)
+        # Interned takers (types.Source) are kept alive by their sources: their ids key the memo, unhashed.
+        key = (takers if s.per_node else id(takers), s.rows, row_bytes, first, end)
         chunks = chunked.get(key)
         if chunks is None:
             chunks = chunked[key] = _chunks(s, takers, first, end, staging_bytes, holds_reader)
         for a, b, read, send, groups in chunks:
             if cur and (cur_bcast != bcast or cur_read + read > staging_bytes
                         or (not bcast and cur_send + send > staging_bytes)):
-                out.append((cur_bcast, tuple(cur), cur_read, _summed(cur_groups)))
+                out.append((cur_bcast, tuple(cur), cur_read, _summed_once(summed, cur_groups)))
                 cur, cur_read, cur_send, cur_groups = [], 0, 0, []
             cur_bcast = bcast
             cur.append(Chunk(name, (a, b)))
@@ -69,8 +71,16 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int, 
             cur_send += send
             cur_groups.append(groups)
     if cur:
-        out.append((cur_bcast, tuple(cur), cur_read, _summed(cur_groups)))
+        out.append((cur_bcast, tuple(cur), cur_read, _summed_once(summed, cur_groups)))
     return out
+
+
+def _summed_once(memo: dict, per_chunk: list[tuple]) -> tuple:
+    key = tuple(map(id, per_chunk))
+    known = memo.get(key)
+    if known is None:
+        known = memo[key] = _summed(per_chunk)
+    return known
 
 
 def _summed(per_chunk: list[tuple]) -> tuple:

@@ -23,7 +23,10 @@ from .layouts import Planned, layouts_for_target, relayout
 from .spans import reader_spans
 from .targets import expand_targets, match_checkpoint
 from .ranks import RankSpecs, RankValues
-from .types import LoadPlan, ParamSpec, Share, Source, is_broadcast
+from ..dtypes import itemsize
+from .expert_layouts import lazily_shared
+from .shard import view2d
+from .types import LoadPlan, ParamSpec, Share, Source, SourceShares, is_broadcast, share_takers, takers_broadcast
 
 
 @collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
@@ -113,11 +116,16 @@ def as_rank_values(values, layout: Layout) -> RankValues:
     return RankValues(values, layout.world)
 
 
-def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share]]:
-    """Per checkpoint source the shares of its pieces (in planning order): one per group of equal ranks."""
-    shares: dict[str, list[Share]] = collections.defaultdict(list)
+def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list]:
+    """Per checkpoint source the shares of its pieces (in planning order): one per group of equal ranks. Layouts
+    that make their shares per source (expert_layouts.py) stand for theirs, made only when the source's are asked."""
+    shares: dict[str, list] = collections.defaultdict(list)
     new = tuple.__new__   # one Share per group and piece of the whole job: the tuple's own constructor
     for name, (_, lays) in planned.items():
+        if lazily_shared(lays):
+            for source in lays.sources():
+                shares[source].append(lays)
+            continue
         lays = as_rank_values(lays, layout)
         for i, group in enumerate(lays.groups()):
             lay = lays.value(i)
@@ -126,6 +134,7 @@ def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list[Share
             for piece in lay.pieces:
                 shares[piece.source].append(new(Share, (group, name, piece)))
     return dict(shares)
+
 
 
 def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:
@@ -137,12 +146,44 @@ def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:
                                                            base.local_shape, base.padding, alias_of=to))
 
 
-def _sources(shares: dict[str, list[Share]], tensors: dict, world: int, per_node: frozenset = frozenset()) -> list[Source]:
-    """The sources that anyone receives, in file order (file, then offset)."""
-    sources = []
+def _sources(shares: dict[str, list], tensors: dict, world: int, per_node: frozenset = frozenset()) -> list[Source]:
+    """The sources that anyone receives, in file order (file, then offset). Runs once per checkpoint tensor:
+    geometry is worked out once per (dtype, shape), broadcast once per distinct takers."""
+    sources, geometries, broadcasts = [], {}, {}
     for name in sorted(shares, key=lambda n: (tensors[n].file, tensors[n].offset)):
         e = tensors[name]
-        ss = tuple(shares[name])
-        sources.append(Source(name, e.file, e.offset, e.dtype, tuple(e.shape), ss,
-                              name not in per_node and is_broadcast(ss, e.shape, world), name in per_node))
+        ss = shares[name]
+        shape = tuple(e.shape)
+        geometry = geometries.get((e.dtype, shape))
+        if geometry is None:
+            rows, cols = view2d(shape)
+            isz = itemsize(e.dtype)
+            geometry = geometries[e.dtype, shape] = (rows, cols * isz, rows * cols * isz, isz, cols)
+        rows, row_bytes, nbytes, isz, cols = geometry
+        if type(ss[0]) is not Share or not all(type(s) is Share for s in ss):   # some layouts make their shares
+            ss = SourceShares(name, ss if len(ss) == 1 else _runs_of_shares(ss), isz)
+            takers = ss.takers
+            key = (id(takers), rows, row_bytes)   # alike expert sources: takers kept alive by their layouts' memo
+            broadcast = broadcasts.get(key)
+            if broadcast is None:
+                broadcast = broadcasts[key] = takers_broadcast(takers, rows, row_bytes, world)
+        else:
+            ss = tuple(ss)
+            takers = share_takers(ss, isz)
+            broadcast = is_broadcast(ss, shape, world)
+        sources.append(Source.planned(name, e.file, e.offset, e.dtype, shape, ss, name not in per_node and broadcast,
+                                      name in per_node, geometry[:3], takers))
     return sources
+
+
+def _runs_of_shares(entries: list) -> list:
+    """A source's entries (Shares, or layouts standing for theirs) as SourceShares parts: runs of Shares as lists."""
+    parts = []
+    for x in entries:
+        if isinstance(x, Share):
+            if not parts or not isinstance(parts[-1], list):
+                parts.append([])
+            parts[-1].append(x)
+        else:
+            parts.append(x)
+    return parts

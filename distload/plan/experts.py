@@ -15,6 +15,7 @@ whose members are replicas (fanned out like dense replicas), whatever the number
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..errors import PlanError
@@ -35,6 +36,22 @@ class Placement:
 
     def of(self, rank: int) -> tuple[int, ...]:
         return self.hosts[self.keys[rank % self.period][0]]
+
+    @functools.cached_property
+    def hosting(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per expert, (value index, slot) for each index of the period whose host set holds it: which ranks
+        take an expert's sources, without a pass over the ranks per source (expert_layouts.py)."""
+        out: list[list] = [[] for _ in range(max((e for ids in self.hosts for e in ids), default=-1) + 1)]
+        for i, (k, _) in enumerate(self.keys):
+            for slot, e in enumerate(self.hosts[k]):
+                out[e].append((i, slot))
+        return [tuple(x) for x in out]
+
+    @functools.cached_property
+    def memo(self) -> dict:
+        """Takers of expert sources (and of their block scales) by cut template, expert and part: alike across
+        layers (expert_layouts.py, quant_layouts.py)."""
+        return {}
 
     def per_rank(self) -> list[tuple[int, ...]]:
         """Per rank, the global expert ids it hosts: O(world), for tools and checks (planning uses keys)."""

@@ -13,9 +13,10 @@ from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
 from .expected_shapes import delivered_dtype
+from .expert_layouts import ExpertCuts, ExpertLayouts
 from .experts import expert_placement
 from .parts import check_vocab, logical_parts, oriented_shape, vector_experts
-from .shard import HEAD_STYLES, LocalLayout, Part, Piece, cut, view2d
+from .shard import HEAD_STYLES, LocalLayout, Part, cut, view2d
 from .transpose import stored_layout
 from .ranks import RankValues
 from .types import ParamSpec, Target
@@ -124,51 +125,11 @@ def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict, n
     return out
 
 
-def _part_of(piece: Piece, parts) -> int:
-    """The index of the part of `parts` a cut piece was taken from (every cut takes a piece from one part)."""
-    for j, q in enumerate(parts):
-        if q.source == piece.source and q.row0 <= piece.rows[0] and piece.rows[1] <= q.row0 + q.rows:
-            return j
-    raise PlanError(f"{piece.source}: piece rows {piece.rows} lie in no part of the expert")  # a cut's bug
-
-
-class _ExpertCuts:
-    """One expert param's cut per rank of an expert group, moved onto each expert and stacked per host set.
-
-    Every expert has one shape (checked), so expert 0 is cut once per rank in the group and each other
-    expert's pieces are the same rectangles of its own parts (same source position, rows shifted by its
-    part's start): planning costs one Piece per (hosted expert, piece of the cut), nothing more."""
-
-    def __init__(self, per_expert_parts, cuts: list[LocalLayout]):
-        self.cuts = cuts
-        parts0 = per_expert_parts[0]
-        # Per rank of the group, expert 0's pieces as (part index, rows, cols, dst_row, dst_col).
-        self.templates = [[(_part_of(p, parts0), p.rows, p.cols, p.dst_row, p.dst_col) for p in lay.pieces]
-                          for lay in cuts]
-        # Per expert, per part: (its source, its rows' shift from expert 0's part).
-        self.moves = [[(q.source, q.row0 - q0.row0) for q, q0 in zip(parts, parts0)] for parts in per_expert_parts]
-
-    def stacked(self, hosts: tuple[int, ...], t: int) -> LocalLayout:
-        """Rank t's layout holding `hosts` in ascending slots (serving orientation)."""
-        base = self.cuts[t]
-        rows, template = base.rows, self.templates[t]
-        pieces = []
-        for slot, e in enumerate(hosts):
-            moves, dst0 = self.moves[e], slot * rows
-            for j, src_rows, cols, dst_row, dst_col in template:
-                source, shift = moves[j]
-                if shift:
-                    src_rows = (src_rows[0] + shift, src_rows[1] + shift)
-                pieces.append(Piece(source, src_rows, cols, dst_row + dst0, dst_col))
-        padding = tuple((a + slot * rows, b + slot * rows, c, d) for slot in range(len(hosts))
-                        for a, b, c, d in base.padding) if base.padding else ()
-        return LocalLayout(len(hosts) * rows, base.cols, tuple(pieces), padding)
-
-
 def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, placement,
                     sizes: dict) -> Planned:
     """Expert params: [local experts, *inner local shape], slots in ascending global id; one value per
-    (host set, rank in expert group) of the placement's period, shared by the ranks that hold it."""
+    (host set, rank in expert group) of the placement's period, shared by the ranks that hold it, made when
+    first asked (expert_layouts.py: other ranks' values are rarely needed whole)."""
     rule = target.rule
     num_experts = rules.dim(config, "experts")
     g = placement.group_size
@@ -179,27 +140,37 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     global_shape = (num_experts,) + tuple(one_expert[:1] if vector else one_expert)
     dtype = delivered_dtype(rule, index[target.sources[0]].dtype)
     # Expert 0 is cut for every rank of the group, so that a rank hosting no expert (EPLB) still gets its shape.
-    cuts = _ExpertCuts(per_expert_parts, [cut(inner, per_expert_parts[0], g, t, f"{where} expert 0",
-                                              label="tp-in-expert-group", **sizes) for t in range(g)])
+    cuts = ExpertCuts(per_expert_parts, [cut(inner, per_expert_parts[0], g, t, f"{where} expert 0",
+                                             label="tp-in-expert-group", **sizes) for t in range(g)])
     inner_local = [local_shape(inner, tuple(one_expert), LocalLayout(lay.rows, lay.cols, ())) for lay in cuts.cuts]
     restore = rule.transposed or vector
     tails = [inner_local[t][:1] if vector else inner_local[t] for t in range(g)]
-    specs: dict[tuple, ParamSpec] = {}   # ranks of one host set mostly hold one spec (equal splits)
-    made: dict[tuple[int, int], tuple[ParamSpec, LocalLayout]] = {}
-    for key in dict.fromkeys(placement.keys):   # distinct keys, in rank order
-        k, t = key
+    keys, made_lays, made_specs = placement.keys, {}, {}
+
+    def layout_of(i: int) -> LocalLayout:   # one value per (host set, rank in group), made when first asked
+        key = keys[i]
+        lay = made_lays.get(key)
+        if lay is None:
+            k, t = key
+            lay = cuts.stacked(placement.hosts[k], t)
+            if restore:
+                lay = stored_layout(lay, target, index, cuts.cuts[t].rows, num_experts)
+            made_lays[key] = lay
+        return lay
+
+    def spec_of(i: int) -> ParamSpec:   # ranks of one host set mostly hold one spec (equal splits)
+        k, t = keys[i]
         hosts = placement.hosts[k]
-        lay = cuts.stacked(hosts, t)
-        if restore:
-            lay = stored_layout(lay, target, index, cuts.cuts[t].rows, num_experts)
+        padding = layout_of(i).padding if restore else cuts.padding(len(hosts), t)
         shape = (len(hosts),) + tails[t]
-        spec = specs.get((k, shape, lay.padding))
+        spec = made_specs.get((k, shape, padding))
         if spec is None:
-            spec = specs[k, shape, lay.padding] = ParamSpec(target.name, "expert", dtype, global_shape, shape,
-                                                             lay.padding, None, hosts)
-        made[key] = (spec, lay)
-    values = [made[key] for key in placement.keys]
-    return RankValues([s for s, _ in values], layout.world), RankValues([lay for _, lay in values], layout.world)
+            spec = made_specs[k, shape, padding] = ParamSpec(target.name, "expert", dtype, global_shape, shape,
+                                                             padding, None, hosts)
+        return spec
+    lays = ExpertLayouts(target.name, cuts, placement, layout_of, exact=not restore)
+    lays.value(0)   # what could fail in making a value (restoring the stored orientation) fails while planning
+    return RankValues((), layout.world, make=spec_of, period=placement.period), lays
 
 
 def relayout(target: Target, index, rules: FamilyRules, config: dict, q: int) -> Planned:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 
 from ..errors import PlanError
+from ..dtypes import itemsize
+from .expert_layouts import DerivedExpertLayouts, ExpertLayouts
 from .quant import Companion, Scheme
 from .ranks import RankValues, per_group, unzipped
 from .shard import LocalLayout, Piece, view2d
@@ -100,6 +102,7 @@ class _BlockGrid:
             grid = self.grids[spec.local_shape] = (n_loc, k_loc, math.prod(block_scale_shape(spec.local_shape,
                                                                                                 self.block)), {})
         n_loc, k_loc, blocks, sources = grid
+        nb_loc = -(-n_loc // self.block[0])
         out, numel = [], 0
         for pc in lay.pieces:
             known = sources.get(pc.source)
@@ -107,11 +110,13 @@ class _BlockGrid:
                 shape = tuple(self.tensors[pc.source].shape)
                 known = sources[pc.source] = (shape, self.memos.setdefault((spec.local_shape, shape), {}))
             shape, memo = known
-            geometry = pc[1:]   # rows, cols, dst_row, dst_col (a Piece is a tuple)
+            # Its geometry within one expert's matrix (slot apart): every slot of a stack maps alike.
+            slot, d = divmod(pc.dst_row, n_loc)
+            geometry = (pc.rows, pc.cols, d, pc.dst_col)
             mapped = memo.get(geometry)
             if mapped is None:
-                mapped = memo[geometry] = self._mapped(pc, shape, spec.name, n_loc, k_loc)
-            out.append(Piece(self.scale_of[pc.source], *mapped[:4]))
+                mapped = memo[geometry] = self._mapped(pc._replace(dst_row=d), shape, spec.name, n_loc, k_loc)
+            out.append(Piece(self.scale_of[pc.source], mapped[0], mapped[1], slot * nb_loc + mapped[2], mapped[3]))
             numel += mapped[4]
         if numel != blocks:
             raise PlanError(f"{spec.name}: its pieces do not tile the block grid "
@@ -175,9 +180,51 @@ def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, sch
         spec, local_rows, local_cols = made
         return spec, LocalLayout(local_rows, local_cols, pieces)
     try:
+        if isinstance(weight_lays, ExpertLayouts):
+            return _lazy_expert_scales(c, weight_specs, weight_lays, scales, tensors, block)
         return unzipped(per_group(scales, weight_lays, weight_specs))
     except _SplitBlock as split:
         raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
+
+
+def _lazy_expert_scales(c: Companion, weight_specs, weight_lays: ExpertLayouts, scales, tensors: dict, block):
+    """An expert weight's block scales, per rank when asked (expert_layouts.py). Every expert has one geometry,
+    so the ranks of one (rank in group, number of hosted experts) are checked now, one each: what a split block
+    or an untiled grid would refuse fails while planning. A scale source's takers are its weight source's, each
+    mapped onto the block grid as _BlockGrid maps a piece (an edge inside a block was refused above)."""
+    pairs: dict[int, tuple] = {}
+    scale_of = dict(c.scale_of)
+
+    def pair(i: int):
+        if i not in pairs:
+            pairs[i] = scales(weight_lays.value(i), weight_specs.value(i))
+        return pairs[i]
+    placement = weight_lays.placement
+    seen = set()
+    for i, (k, t) in enumerate(placement.keys):
+        if (t, len(placement.hosts[k])) not in seen:
+            seen.add((t, len(placement.hosts[k])))
+            pair(i)
+    bn, bk = block
+    mapped = placement.memo   # alike across layers, as the weight's takers are
+
+    def takers_of(w_source: str) -> tuple:
+        w, s = tensors[w_source], tensors[scale_of[w_source]]
+        w_isz = itemsize(w.dtype)
+        weight_takers = weight_lays.takers(w_source, w_isz)
+        key = ("block scales", id(weight_takers), w.shape[-2], w.dtype, s.dtype, bn, bk)   # shape[-2]: one matrix's rows
+        known = mapped.get(key)
+        if known is None:   # the weight's takers are kept alive by the placement's memo: ids stay unique
+            n, s_isz = _matrix_dims(tuple(w.shape), w_source)[0], itemsize(s.dtype)
+            nb, out = -(-n // bn), []
+            for r0, r1, width, g in weight_takers:
+                e = r0 // n
+                out.append((e * nb + (r0 - e * n) // bn, e * nb + -(-(r1 - e * n) // bn),
+                            -(-(width // w_isz) // bk) * s_isz, g))
+            known = mapped[key] = tuple(out)
+        return known
+    return (RankValues((), weight_specs.world, make=lambda i: pair(i)[0], period=weight_lays.period),
+            DerivedExpertLayouts(c.name, weight_lays, {s: w for w, s in c.scale_of}, lambda i: pair(i)[1], takers_of))
 
 
 def _split_error(c: Companion, target, split: _SplitBlock, tensors, scheme: Scheme, group: int, relayout) -> PlanError:

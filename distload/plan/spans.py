@@ -91,7 +91,7 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
     shared: list[Span] = []
     segmented: dict[tuple, list] = {}   # sources with alike shares (an expert's, layer after layer) cut alike
     for s in sources:
-        key = (s.takers, s.rows)
+        key = (id(s.takers), s.rows)   # interned, and kept alive by the sources
         segments = segmented.get(key)
         if segments is None:
             segments = segmented[key] = node_segments(s, layout.local_world)

@@ -87,13 +87,70 @@ class Source:
         isz = itemsize(self.dtype)
         # takers: per share (first row, end row, bytes per row, group) as plain values, which the chunk loops of
         # buckets.py and spans.py walk for every chunk and share of the whole checkpoint.
-        self.__dict__.update(rows=rows, row_bytes=cols * isz, nbytes=rows * cols * isz, takers=_interned(tuple(
-            [(r[0], r[1], (c[1] - c[0]) * isz, g) for g, _, p in self.shares for r, c in ((p.rows, p.cols),)])))
+        takers = self.shares.takers if isinstance(self.shares, SourceShares) else share_takers(self.shares, isz)
+        self.__dict__.update(rows=rows, row_bytes=cols * isz, nbytes=rows * cols * isz, takers=_interned(takers))
+
+    @classmethod
+    def planned(cls, name: str, file: str, offset: int, dtype: str, shape: tuple, shares, broadcast: bool,
+                per_node: bool, geometry: tuple, takers: tuple) -> "Source":
+        """A Source with its derived values given (geometry: rows, row_bytes, nbytes; takers as __post_init__
+        makes them). Planning makes one per checkpoint tensor, where the frozen dataclass's field-by-field
+        __init__ costs more than all the rest: the same object, its fields set at once."""
+        self = object.__new__(cls)
+        rows, row_bytes, nbytes = geometry
+        self.__dict__.update(name=name, file=file, offset=offset, dtype=dtype, shape=shape, shares=shares,
+                             broadcast=broadcast, per_node=per_node, rows=rows, row_bytes=row_bytes, nbytes=nbytes,
+                             takers=_interned(takers))
+        return self
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
         """Every member's piece, one Delivery each: O(world), for tools and tests (planning uses shares)."""
         return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks.members())
+
+
+def share_takers(shares, isz: int) -> tuple:
+    """Per share (first row, end row, bytes per row, group): Source.takers."""
+    return tuple([(p.rows[0], p.rows[1], (p.cols[1] - p.cols[0]) * isz, g) for g, _, p in shares])
+
+
+class SourceShares(Sequence):
+    """A source's shares made when first asked (then kept: one object per share, as a tuple would hold), its
+    takers known before. parts: per param that takes the source, in planning order, its shares (a list) or
+    layouts that make them per source (expert_layouts.py)."""
+
+    def __init__(self, source: str, parts: list, isz: int):
+        self._source, self._parts, self._made = source, parts, None
+        if len(parts) == 1 and not isinstance(parts[0], list):
+            self.takers = parts[0].takers(source, isz)
+            return
+        self.takers = sum([share_takers(part, isz) if isinstance(part, list) else part.takers(source, isz)
+                           for part in parts], ())
+
+    def _all(self) -> tuple:
+        if self._made is None:
+            self._made = tuple(s for part in self._parts
+                               for s in (part if isinstance(part, list) else part.shares(self._source)))
+            self._parts = None
+        return self._made
+
+    def __getitem__(self, i):
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self.takers)
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -106,6 +163,16 @@ def _interned(takers: tuple) -> tuple:
 def shares_of(deliveries) -> tuple[Share, ...]:
     """Per-rank deliveries as shares of one rank each (plans whose ranks hold no replicas: sharded reloads)."""
     return tuple(Share(Ranks.one(d.rank), d.param, d.piece) for d in deliveries)
+
+
+def takers_broadcast(takers: tuple, rows: int, row_bytes: int, world: int) -> bool:
+    """is_broadcast, asked of a source's takers (made without its shares)."""
+    for r0, r1, width, _ in takers:
+        if r0 != 0 or r1 != rows or width != row_bytes:
+            return False
+    if sum(t[3].count for t in takers) != world:
+        return False
+    return len({r for t in takers for r in t[3].members()}) == world if len(takers) > 1 else True
 
 
 def is_broadcast(shares, shape: tuple[int, ...], world: int) -> bool:
@@ -190,14 +257,14 @@ class LoadPlan:
 
     def owned_bytes(self, rank: int) -> int:
         """Checkpoint bytes of the pieces delivered to `rank` (what it reads itself with owner reads)."""
-        return sum(s.piece.numel * itemsize(src.dtype) for src in self.sources.values() for s in src.shares
-                   if rank in s.ranks)
+        return sum((r1 - r0) * width for src in self.sources.values() for r0, r1, width, g in src.takers
+                   if rank in g)
 
     def owned_pieces(self, rank: int) -> list:
         """(source, delivery) of every piece delivered to `rank`, in file order (file, then offset): the order
         in which a rank that copies its own pieces from the files reads them."""
-        mine = [(src, Delivery(rank, s.param, s.piece)) for src in self.sources.values() for s in src.shares
-                if rank in s.ranks]
+        mine = [(src, Delivery(rank, s.param, s.piece)) for src in self.sources.values()
+                if any(rank in t[3] for t in src.takers) for s in src.shares if rank in s.ranks]
         mine.sort(key=lambda sd: (sd[0].file, sd[0].offset + sd[1].piece.rows[0] * sd[0].row_bytes))
         return mine
 
@@ -222,6 +289,8 @@ class LoadPlan:
 
     def items(self, bucket: Bucket, rank: int) -> list[Item]:
         """What `rank` receives from `bucket`, in wire order (identical computation on every rank)."""
+        if not bucket.broadcast and not any(rank in g for g, _ in bucket.groups):
+            return []   # asked for every bucket by every rank: only a bucket's takers look at its shares
         out, offset = [], 0
         for chunk in bucket.chunks:
             src = self.sources[chunk.source]
