@@ -17,8 +17,10 @@ import torch
 import distload
 from checks import differences, tensor_bytes
 from distload.checkpoint import discover
+from distload.dtypes import itemsize
 from distload.plan import build_plan
 from distload.plan.experts import expert_placement
+from distload.plan.source_shares import SourceShares, share_takers
 from distload.rules import rules_for
 from distload.topology import Layout
 from fp8_checkpoints import quantized_checkpoint
@@ -77,9 +79,9 @@ def test_expert_groups_hold_what_the_oracle_slices(ckpts, name):
                     assert list(spec.experts) == hosts[rank], (where, spec.name)
 
 
-def _plan(path: str, layout: Layout):
+def _plan(path: str, layout: Layout, **options):
     index = discover(path)
-    return build_plan(dict(index.tensors), dict(index.config), rules_for(index.config), layout)
+    return build_plan(dict(index.tensors), dict(index.config), rules_for(index.config), layout, **options)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_stacked", "gpt_oss", "deepseek_v3_fp8"])
@@ -111,3 +113,32 @@ def test_placement_is_stored_per_expert_group_and_rank_in_it():
     replicated = expert_placement(8, Layout(world=16, tp=2, ep=8, expert_map=(a, a, b, b) * 4))
     assert replicated.period == 4 and replicated.keys == ((0, 0), (0, 1), (1, 0), (1, 1))
     assert replicated.per_rank() == [a, a, b, b] * 4
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_stacked", "gpt_oss", "deepseek_v3_fp8"])
+def test_expert_shares_are_made_only_for_the_ranks_that_move_them(ckpts, name):
+    """An expert source's shares are made when first asked (expert_layouts.py): planning makes none, a rank
+    that walks its buckets makes only those of the sources it receives, and the takers every rank buckets by
+    (made from the cut templates, or from the weight's for block scales) are the made shares' own."""
+    config = read_config(ckpts[name])
+    n = config.get("n_routed_experts") or num_experts(config)
+    a, b = halves(n)
+    ep = min(n, 8)   # at most 2 ranks per expert group: the block-FP8 experts' rows split into whole blocks
+    for world, tp, ep, emap in ((16, 16 // ep, ep, None), (16, 2, 8, (a + b,) * 2 + (b,) * 14)):
+        layout = Layout(world=world, tp=tp, ep=ep, expert_map=emap, local_world=4, readers=(0, 4, 8, 12))
+        plan = _plan(ckpts[name], layout, staging_bytes=1024)   # real experts fill buckets of their own
+        lazy = {s.name: s for s in plan.sources.values() if isinstance(s.shares, SourceShares)}
+        where = f"{name} world {world} ep {ep} map {emap}"
+        assert lazy and not any(s.shares.made for s in lazy.values()), where
+        rank = 13   # hosts one expert of n (ep = n) or n / ep of them, or half of them (the map)
+        for bucket in plan.buckets:
+            plan.items(bucket, rank)
+        takes = {c.source for bk in plan.buckets if not bk.broadcast and any(rank in g for g, _ in bk.groups)
+                 for c in bk.chunks}
+        made = {n for n, s in lazy.items() if s.shares.made}
+        assert made and made <= takes, where
+        if emap is None and name in ("qwen3_moe", "deepseek_v3_fp8"):   # a source per expert (not stacked)
+            assert len(made) < len(lazy) // 2, where
+        for s in lazy.values():
+            assert share_takers(tuple(s.shares), itemsize(s.dtype)) == s.takers, (where, s.name)
+            assert len(s.shares) == len(s.takers), (where, s.name)

@@ -26,7 +26,8 @@ from .ranks import RankSpecs, RankValues
 from ..dtypes import itemsize
 from .expert_layouts import lazily_shared
 from .shard import view2d
-from .types import LoadPlan, ParamSpec, Share, Source, SourceShares, is_broadcast, share_takers, takers_broadcast
+from .source_shares import SourceShares, share_takers, takers_broadcast
+from .types import LoadPlan, ParamSpec, Share, Source, is_broadcast
 
 
 @collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
@@ -158,8 +159,8 @@ def _sources(shares: dict[str, list], tensors: dict, world: int, per_node: froze
         if geometry is None:
             rows, cols = view2d(shape)
             isz = itemsize(e.dtype)
-            geometry = geometries[e.dtype, shape] = (rows, cols * isz, rows * cols * isz, isz, cols)
-        rows, row_bytes, nbytes, isz, cols = geometry
+            geometry = geometries[e.dtype, shape] = (rows, cols * isz, rows * cols * isz, isz)
+        rows, row_bytes, _, isz = geometry
         if type(ss[0]) is not Share or not all(type(s) is Share for s in ss):   # some layouts make their shares
             ss = SourceShares(name, ss if len(ss) == 1 else _runs_of_shares(ss), isz)
             takers = ss.takers

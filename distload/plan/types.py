@@ -21,6 +21,7 @@ from ..rules import ParamRule
 from ..topology import Layout
 from .ranks import Ranks
 from .shard import Piece, view2d
+from .source_shares import SourceShares, share_takers
 
 
 @dataclass(frozen=True)
@@ -94,63 +95,20 @@ class Source:
     def planned(cls, name: str, file: str, offset: int, dtype: str, shape: tuple, shares, broadcast: bool,
                 per_node: bool, geometry: tuple, takers: tuple) -> "Source":
         """A Source with its derived values given (geometry: rows, row_bytes, nbytes; takers as __post_init__
-        makes them). Planning makes one per checkpoint tensor, where the frozen dataclass's field-by-field
-        __init__ costs more than all the rest: the same object, its fields set at once."""
+        makes them; a SourceShares' are one object per alike source already). Planning makes one per
+        checkpoint tensor, where the frozen dataclass's field-by-field __init__ costs more than all the rest:
+        the same object, its fields set at once."""
         self = object.__new__(cls)
         rows, row_bytes, nbytes = geometry
         self.__dict__.update(name=name, file=file, offset=offset, dtype=dtype, shape=shape, shares=shares,
                              broadcast=broadcast, per_node=per_node, rows=rows, row_bytes=row_bytes, nbytes=nbytes,
-                             takers=_interned(takers))
+                             takers=takers if isinstance(shares, SourceShares) else _interned(takers))
         return self
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
         """Every member's piece, one Delivery each: O(world), for tools and tests (planning uses shares)."""
         return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks.members())
-
-
-def share_takers(shares, isz: int) -> tuple:
-    """Per share (first row, end row, bytes per row, group): Source.takers."""
-    return tuple([(p.rows[0], p.rows[1], (p.cols[1] - p.cols[0]) * isz, g) for g, _, p in shares])
-
-
-class SourceShares(Sequence):
-    """A source's shares made when first asked (then kept: one object per share, as a tuple would hold), its
-    takers known before. parts: per param that takes the source, in planning order, its shares (a list) or
-    layouts that make them per source (expert_layouts.py)."""
-
-    def __init__(self, source: str, parts: list, isz: int):
-        self._source, self._parts, self._made = source, parts, None
-        if len(parts) == 1 and not isinstance(parts[0], list):
-            self.takers = parts[0].takers(source, isz)
-            return
-        self.takers = sum([share_takers(part, isz) if isinstance(part, list) else part.takers(source, isz)
-                           for part in parts], ())
-
-    def _all(self) -> tuple:
-        if self._made is None:
-            self._made = tuple(s for part in self._parts
-                               for s in (part if isinstance(part, list) else part.shares(self._source)))
-            self._parts = None
-        return self._made
-
-    def __getitem__(self, i):
-        return self._all()[i]
-
-    def __len__(self) -> int:
-        return len(self.takers)
-
-    def __iter__(self):
-        return iter(self._all())
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(self._all())
-
-    def __repr__(self) -> str:
-        return repr(self._all())
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -163,16 +121,6 @@ def _interned(takers: tuple) -> tuple:
 def shares_of(deliveries) -> tuple[Share, ...]:
     """Per-rank deliveries as shares of one rank each (plans whose ranks hold no replicas: sharded reloads)."""
     return tuple(Share(Ranks.one(d.rank), d.param, d.piece) for d in deliveries)
-
-
-def takers_broadcast(takers: tuple, rows: int, row_bytes: int, world: int) -> bool:
-    """is_broadcast, asked of a source's takers (made without its shares)."""
-    for r0, r1, width, _ in takers:
-        if r0 != 0 or r1 != rows or width != row_bytes:
-            return False
-    if sum(t[3].count for t in takers) != world:
-        return False
-    return len({r for t in takers for r in t[3].members()}) == world if len(takers) > 1 else True
 
 
 def is_broadcast(shares, shape: tuple[int, ...], world: int) -> bool:
