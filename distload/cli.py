@@ -160,8 +160,18 @@ def cmd_verify(args) -> int:
                   logits_file=args.save_logits, reference=args.reference, options=options).verdict.exit_code
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad option refused as every other bad input is: one line per rank, naming the option
+    and the fix (argparse's usage block and message, printed by every rank, interleave on a shared terminal)."""
+
+    def error(self, message: str):
+        rank = os.environ.get("RANK", "0")
+        sys.stderr.write(f"distload: error on rank {rank}: {self.prog}: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distload", description=__doc__)
+    parser = _Parser(prog="distload", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("load", help="load a checkpoint onto every rank (run under torchrun)")
