@@ -27,25 +27,12 @@ def _sent_per_row(s, takers: tuple) -> int:
     return -(-sent // max(1, s.rows))
 
 
-class _Members(dict):
-    """group -> whether `rank` is a member, each group tested once."""
-
-    def __init__(self, rank: int):
-        super().__init__()
-        self.rank = rank
-
-    def __missing__(self, group) -> bool:
-        inside = self[group] = self.rank in group
-        return inside
-
-
 def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int, same_node=None) -> list[tuple]:
     """Chunk and bucket one reader's spans (source, rows); returns (broadcast, chunks, read_bytes, groups), the
     groups (group, bytes) in rank order. A per-node source's reader serves only its own node's groups (their
     shares are split by node: pipeline.split_by_node)."""
     out = []
     cur, cur_read, cur_send, cur_bcast, cur_groups = [], 0, 0, None, []
-    holds_reader = _Members(reader)
     # Sources whose shares look alike (one expert's projections in every layer, say) chunk alike: each
     # distinct (shares, rows, span) is chunked once per reader.
     chunked: dict[tuple, list[tuple]] = {}
@@ -59,7 +46,7 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int, 
         key = (takers if s.per_node else id(takers), s.rows, row_bytes, first, end)
         chunks = chunked.get(key)
         if chunks is None:
-            chunks = chunked[key] = _chunks(s, takers, first, end, staging_bytes, holds_reader)
+            chunks = chunked[key] = _chunks(s, takers, first, end, staging_bytes, reader)
         for a, b, read, send, groups in chunks:
             if cur and (cur_bcast != bcast or cur_read + read > staging_bytes
                         or (not bcast and cur_send + send > staging_bytes)):
@@ -94,7 +81,7 @@ def _summed(per_chunk: list[tuple]) -> tuple:
     return _per_group([pair for chunk in per_chunk for pair in chunk])
 
 
-def _chunks(s, takers: tuple, first: int, end: int, staging_bytes: int, holds_reader) -> list[tuple]:
+def _chunks(s, takers: tuple, first: int, end: int, staging_bytes: int, reader: int) -> list[tuple]:
     """Rows [first, end) of `s` as chunks: (first row, end row, bytes read, bytes the reader sends, per group
     its bytes)."""
     # A chunk must fit the staging buffer both as read and as sent: replicated pieces (kv heads when
@@ -107,7 +94,10 @@ def _chunks(s, takers: tuple, first: int, end: int, staging_bytes: int, holds_re
         # Per share its bytes in rows [a, b) (plain comparisons: this runs per chunk and share of the job).
         taken = [(g, (hi - lo) * width) for r0, r1, width, g in takers
                  for lo, hi in (((r0 if r0 > a else a), (r1 if r1 < b else b)),) if lo < hi]
-        send = sum([n for g, n in taken if not holds_reader[g]])  # the reader's own bytes stay local
+        # The reader's own bytes stay local; `reader in group` spelled out (a group is (first, step, count)):
+        # every reader asks it of every group of every pattern it reads.
+        send = sum([n for (f, step, count), n in taken
+                    if (reader - f) % step or not 0 <= (reader - f) // step < count])
         out.append((a, b, (b - a) * row_bytes, send, _per_group(taken)))
     return out
 
