@@ -73,7 +73,14 @@ class Layout:
 
     def readers_on(self, node: int) -> tuple[int, ...]:
         """The reader ranks of one node."""
-        return tuple(r for r in self.readers if self.node(r) == node)
+        return self.readers_by_node().get(node, ())
+
+    def readers_by_node(self) -> dict[int, tuple[int, ...]]:
+        """Per node with a reader, its readers in rank order (one pass over the readers)."""
+        out: dict[int, list[int]] = {}
+        for r in self.readers:
+            out.setdefault(self.node(r), []).append(r)
+        return {n: tuple(rs) for n, rs in sorted(out.items())}
 
     @property
     def reader_nodes(self) -> tuple[int, ...]:

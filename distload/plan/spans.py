@@ -84,8 +84,8 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
     total = sum(s.nbytes for s in sources)
     if not layout.reads_by_node:
         return byte_runs([(s, (0, s.rows)) for s in sources], readers, [total / len(readers)] * len(readers))
-    nodes = layout.reader_nodes
-    by_node = {n: layout.readers_on(n) for n in nodes}
+    by_node = layout.readers_by_node()
+    nodes = tuple(by_node)
     home: dict[int, list[Span]] = {n: [] for n in by_node}
     home_bytes = dict.fromkeys(by_node, 0)
     shared: list[Span] = []
