@@ -151,8 +151,10 @@ class _BlockGrid:
 def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, scheme: Scheme, group: int, relayout):
     block = scheme.block
     scale_of = dict(c.scale_of)
+    wants: dict[tuple, tuple] = {}   # per weight shape (every expert's is one)
     for w_src, s_src in c.scale_of:
-        want = block_scale_shape(tuple(tensors[w_src].shape), block)
+        shape = tuple(tensors[w_src].shape)
+        want = wants.get(shape) or wants.setdefault(shape, block_scale_shape(shape, block))
         if tuple(tensors[s_src].shape) != want:
             raise PlanError(f"{s_src}: shape {list(tensors[s_src].shape)}, but {w_src} {list(tensors[w_src].shape)} "
                             f"with block {list(block)} ({scheme.where}) needs {list(want)}; the block size in "

@@ -8,7 +8,10 @@ those come from the cut templates without any share.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+
+_MAKING = threading.Lock()
 
 
 def share_takers(shares, isz: int) -> tuple:
@@ -36,9 +39,12 @@ class SourceShares(Sequence):
 
     def _all(self) -> tuple:
         if self._made is None:
-            self._made = tuple(s for part in self._parts
-                               for s in (part if isinstance(part, list) else part.shares(self._source)))
-            self._parts = None
+            # Once, under a lock: the transfer's read-ahead thread walks shares too, and callers match a share
+            # by identity (transfer/pieces.py), so every caller must see the same objects.
+            with _MAKING:
+                if self._made is None:
+                    self._made = tuple(s for part in self._parts
+                                       for s in (part if isinstance(part, list) else part.shares(self._source)))
         return self._made
 
     def __getitem__(self, i):
