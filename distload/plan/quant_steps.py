@@ -68,7 +68,7 @@ def _part_of(target) -> dict[str, int]:
 def finalize(staging: RankSpecs, planned: dict, targets: dict, comps: list[Companion], tensors: dict,
              scheme: Scheme | None, quantize: str | None = None, dequantize: bool = False):
     """(final specs per rank, steps per rank, what the load does about quantization) from the staging specs:
-    a quantized checkpoint's per group of ranks (RankSpecs, RankValues), --quantize's per rank (lists).
+    per group of ranks (RankSpecs, RankValues).
 
     planned: name -> (per-rank specs, per-rank layouts) of every planned param; targets: name -> Target.
     """
@@ -88,10 +88,8 @@ def finalize(staging: RankSpecs, planned: dict, targets: dict, comps: list[Compa
         # staging specs serve as the final ones, never copied per rank).
         return staging, [() for _ in staging], scheme.describe()
     if online:
-        final = [dict(specs) for specs in staging]
-        steps: list[list[Step]] = [[] for _ in staging]
-        _online(final, steps, online)
-        return final, [tuple(s) for s in steps], online.describe()
+        final, post = _online(staging, online)
+        return final, post, online.describe()
     by_weight: dict[str, dict[str, Companion]] = {}
     for c in comps:
         by_weight.setdefault(c.weight, {})[c.role] = c
@@ -176,28 +174,43 @@ def _one_scale_spec(staged, weight_spec, scalar_shape):
                    local_shape=tuple(scalar_shape))
 
 
-def _online(final: list[dict], steps: list[list[Step]], scheme: Scheme) -> None:
-    for r, specs in enumerate(final):
-        for name, w in list(specs.items()):
-            if (w.alias_of or w.style not in QUANTIZED_STYLES or len(w.local_shape) not in (2, 3)
+def _online(staging: RankSpecs, scheme: Scheme) -> tuple[RankSpecs, RankValues]:
+    """(final specs, steps) per group of ranks for --quantize: each linear weight's groups are rewritten once
+    (param-major, groups in rank order), its scale added after the staged params as a per-rank walk would."""
+    per_param, step_columns = dict(staging.per_param), []
+    absent = RankValues([None], staging.world)
+    for name, values in staging.per_param.items():
+        scale = with_suffix(name, scheme.weight_scale)
+
+        def group(w, existing, name=name, scale=scale):
+            """(step, final weight spec, scale spec) of one group; step None: not a quantized weight here."""
+            if (w is None or w.alias_of or w.style not in QUANTIZED_STYLES or len(w.local_shape) not in (2, 3)
                     or not name.endswith("weight") or (w.style == "expert") != (len(w.local_shape) == 3)):
-                continue
+                return None, w, None
             if w.dtype not in HIGH_PRECISION:
                 raise PlanError(f"--quantize {scheme.name}: {name} is {w.dtype}; online quantization reads "
                                 f"{', '.join(HIGH_PRECISION)} checkpoints")
-            scale = with_suffix(name, scheme.weight_scale)
-            if scale in specs:
+            if existing is not None:
                 raise PlanError(f"--quantize {scheme.name}: {scale} already exists in the checkpoint's layout")
             if w.padding:
                 raise PlanError(f"--quantize {scheme.name}: {name} is zero-padded; it cannot be quantized while loading")
-            experts = w.style == "expert"
             if scheme.block:
                 local = block_scale_shape(w.local_shape, scheme.block)
                 glob = block_scale_shape(w.global_shape, scheme.block)
                 op = "quantize_block"
             else:  # one scale per rank-local matrix: per expert for experts, else one scalar
+                experts = w.style == "expert"
                 local, glob = ((len(w.experts),), (w.global_shape[0],)) if experts else ((), ())
                 op = "quantize"
-            specs[scale] = ParamSpec(scale, w.style, SCALE_DTYPE, glob, local, experts=w.experts)
-            specs[name] = replace(w, dtype=FP8)
-            steps[r].append(Step(op, (name,), (name, scale), block=scheme.block))
+            return (Step(op, (name,), (name, scale), block=scheme.block), replace(w, dtype=FP8),
+                    ParamSpec(scale, w.style, SCALE_DTYPE, glob, local, experts=w.experts))
+        made = per_group(group, values, staging.per_param.get(scale, absent))
+        if all(made.value(i)[0] is None for i in range(made.period)):
+            continue
+        per_param[name] = made.map(lambda m: m[1])
+        per_param[scale] = made.map(lambda m: m[2])
+        step_columns.append(made.map(lambda m: m[0]))
+    if not step_columns:
+        return staging, RankValues([()], staging.world)
+    return RankSpecs(per_param, staging.world), per_group(lambda *steps: tuple(s for s in steps if s is not None),
+                                                         *step_columns)
