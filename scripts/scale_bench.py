@@ -233,7 +233,7 @@ class _FakeFingerprint:
         return [(1 << 63) - 1, (1 << 63) - 1]
 
 
-def measure(model: str, world: int, rank: int, cache: Path) -> dict:
+def measure(model: str, world: int, rank: int, cache: Path, quantize: str | None = None) -> dict:
     """One case, in this (fresh) process: planning cost and the plan's per-rank numbers."""
     root = checkpoint_dir(cache, model)
     layout = layout_for(model, world)
@@ -243,7 +243,7 @@ def measure(model: str, world: int, rank: int, cache: Path) -> dict:
     rules = rules_for(index.config)
     cpu_parse = time.process_time() - cpu0
     cpu0 = time.process_time()
-    plan = build_plan(index.tensors, index.config, rules, layout)
+    plan = build_plan(index.tensors, index.config, rules, layout, quantize=quantize)
     cpu_plan = time.process_time() - cpu0
     peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
     cpu0 = time.process_time()
@@ -265,6 +265,7 @@ def _rss_now() -> int:
 def run_case(model: str, world: int, args) -> dict | str:
     """measure() in a fresh subprocess: its result, or why there is none ('> limit', '> memory', the error)."""
     cmd = [sys.executable, __file__, "--child", model, str(world), "--rank", str(args.rank), "--cache", str(args.cache)]
+    cmd += ["--quantize", args.quantize] if args.quantize else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + args.limit_s
     while proc.poll() is None:
@@ -315,10 +316,11 @@ def main(argv=None) -> int:
     ap.add_argument("--limit-mb", type=float, default=8192.0, help="RSS per case before '> memory'")
     ap.add_argument("--rank", type=int, default=0, help="the rank that plans")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/distload-scale"), help="where the sparse checkpoints live")
+    ap.add_argument("--quantize", default=None, choices=["fp8", "fp8-block"], help="plan with --quantize (online FP8)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "WORLD"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.rank, args.cache)))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.rank, args.cache, args.quantize)))
         return 0
     models, worlds = args.models.split(","), [int(w) for w in args.worlds.split(",")]
     unknown = [m for m in models if m not in MODELS]
