@@ -8,6 +8,8 @@
     parts.py          a target's logical parts, sizes checked against config.json
     shard.py          the table of cuts: style + parts + (p, r) -> the pieces rank r holds
     layouts.py        per target and rank: its spec and the pieces that fill it
+    expert_layouts.py expert params' layouts made per rank when asked; an expert source's shares per source
+    source_shares.py  a source's shares made when first asked (expert sources), their takers known before
     spans.py          which rows each reader reads
     buckets.py        reader spans -> chunks -> buckets, interleaved across readers
     quant.py          FP8 schemes and the scale companions of quantized weights
