@@ -43,8 +43,12 @@ def _in_sets(rule: ParamRule, rules: FamilyRules, config: dict, ranges: dict[str
 
 def _expand_form(form: ParamRule, name: str, values: dict, ranges: dict[str, range]) -> Target:
     if form.style == "expert" and not form.stacked:
-        per_expert = tuple(tuple(names.expand(p, **values, expert=e) for p in form.parts) for e in ranges["expert"])
-        return Target(name, form, tuple(s for ss in per_expert for s in ss), per_expert)
+        experts = ranges["expert"]
+        if "expert" in values:   # a target named per expert: expanded name by name, which refuses the second value
+            per_expert = tuple(tuple(names.expand(p, **values, expert=e) for p in form.parts) for e in experts)
+        else:   # each part's names over all experts at once
+            per_expert = tuple(zip(*(names.expand_each(p, "expert", experts, **values) for p in form.parts)))
+        return Target(name, form, tuple(itertools.chain.from_iterable(per_expert)), per_expert)
     return Target(name, form, tuple(names.expand(p, **values) for p in form.parts))
 
 
@@ -66,7 +70,7 @@ def expand_targets(rules: FamilyRules, config: dict, tensors) -> tuple[list[Targ
             if name in tied or not exists(values):
                 continue
             forms = [_expand_form(form, name, values, ranges) for form in rule.forms]
-            present = [sum(s in tensors for s in t.sources) for t in forms]
+            present = [sum(map(tensors.__contains__, t.sources)) for t in forms]
             complete = [t for t, n in zip(forms, present) if n == len(t.sources)]
             targets.append(complete[0] if complete else forms[present.index(max(present))])
     return targets, tied
