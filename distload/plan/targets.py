@@ -120,7 +120,8 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
     ignored = sorted(dropped | {s for s in tied_sources if s in tensors})
     missing_by_target = {t.name: list(itertools.filterfalse(tensors.__contains__, t.sources)) for t in targets}
     missing = sorted(s for ss in missing_by_target.values() for s in ss)
-    unexpected = sorted(set(tensors).difference(claimed, ignored))
+    absent = len(missing) + sum(len(list(itertools.filterfalse(tensors.__contains__, c.sources))) for c in claimants)
+    unexpected = _unexpected(tensors, claimed, ignored, absent)
     if strict and (missing or unexpected):
         msg = [f"checkpoint does not match rules {rules.source} (family {rules.name})"]
         if missing:
@@ -130,6 +131,16 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
         msg.append("fix: use the rules file for this architecture (--config PATH), or pass --no-strict to load what matches")
         raise PlanError("; ".join(msg))
     return Match([t for t in targets if not missing_by_target[t.name]], missing, unexpected, ignored)
+
+
+def _unexpected(tensors, claimed: dict[str, str], ignored: list[str], absent: int) -> list[str]:
+    """The checkpoint's tensors that nothing claims or ignores, sorted. `absent` claimed names are not in the
+    checkpoint and every ignored one is: when the counts say each tensor is covered (the usual case), the
+    names need no set difference."""
+    covered = len(claimed) - absent + sum(1 for n in ignored if n not in claimed)
+    if covered == len(tensors):
+        return []
+    return sorted(set(tensors).difference(claimed, ignored))
 
 
 def _refuse_double_claim(claimed: dict[str, str], target, rules: FamilyRules) -> None:
