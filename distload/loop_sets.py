@@ -85,10 +85,10 @@ def past_loops(templates, tensor_names, ranges: dict[str, range]) -> set[str]:
     for template in templates:
         # A name's leading part (`model.layers.61`) decides: each distinct one is judged once, and only the
         # names under an outside one are matched whole (`name.<anything>`: no line break, as the regex's `.`).
-        leading = names.leading(template)
-        leads = {m[0] for m in map(leading.match, tensor_names) if m is not None}
-        outside = {lead for lead in leads if any(v not in ranges[k] for k, v in names.match(template, lead).items())}
+        outside = {lead for lead in names.leads(template, tensor_names)
+                   if any(v not in ranges[k] for k, v in names.match(template, lead).items())}
         if outside:
+            leading = names.leading(template)
             under = re.compile(leading.pattern + r"(?:\..*)?")
             out.update(n for n in tensor_names if under.fullmatch(n) and leading.match(n)[0] in outside)
     return out

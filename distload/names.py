@@ -87,6 +87,20 @@ def leading(template: str) -> re.Pattern:
     return re.compile(_pattern(template).pattern + r"(?=\.|\Z)")
 
 
+def leads(template: str, tensor_names) -> set[str]:
+    """The distinct leading parts (see `leading`) of the names under the template. A checkpoint lists a
+    layer's (an expert's) names together: a name under the previous lead is that lead again, unmatched."""
+    match, out, under = leading(template).match, set(), None
+    for name in tensor_names:
+        if under and name.startswith(under):
+            continue
+        m = match(name)
+        if m is not None:
+            out.add(m[0])
+            under = m[0] + "."
+    return out
+
+
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 

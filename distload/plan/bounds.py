@@ -41,14 +41,12 @@ def loop_templates(rules: FamilyRules, var: str) -> set[str]:
 
 
 def values_in_checkpoint(tensors, templates: set[str], var: str) -> set[int]:
-    """The values of `var` that checkpoint names take under the templates' prefixes up to `{var}`: one
-    regex pass over the names per distinct prefix."""
+    """The values of `var` that checkpoint names take under the templates' prefixes up to `{var}`: one pass
+    over the names per distinct prefix, each distinct leading part (a layer's) matched once."""
     prefixes = {t[:t.index("{" + var + "}") + len(var) + 2] for t in templates}
     found: set[int] = set()
     for prefix in prefixes:
-        # Many names share their leading part (a layer's tensors): each distinct one is read once.
-        leads = {m[0] for m in map(names.leading(prefix).match, tensors) if m is not None}
-        found.update(names.match(prefix, lead)[var] for lead in leads)
+        found.update(names.match(prefix, lead)[var] for lead in names.leads(prefix, tensors))
     return found
 
 
