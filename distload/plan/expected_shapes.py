@@ -27,6 +27,7 @@ from ..errors import PlanError, RuleError
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 FP8S = ("F8_E4M3", "F8_E5M2")
+_DTYPE, _NBYTES = operator.attrgetter("dtype"), operator.attrgetter("nbytes")
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,17 @@ def shape_exprs(rule, target_name: str, rules) -> tuple[str, ...]:
     return ()
 
 
-def logical_shape(rule, target_name: str, rules, config: dict) -> LogicalShape | None:
-    """The param's full logical shape from its rule and config.json; None when the rule gives none."""
+def logical_shape(rule, target_name: str, rules, config: dict, memo: dict | None = None) -> LogicalShape | None:
+    """The param's full logical shape from its rule and config.json; None when the rule gives none. `memo`
+    keeps the shapes evaluated per rule and expressions (a rule's targets over the layers share theirs)."""
     exprs = shape_exprs(rule, target_name, rules)
     if not exprs:
         return None
+    if memo is not None:
+        key = (id(rule), exprs)
+        if key not in memo:
+            memo[key] = logical_shape(rule, target_name, rules, config)
+        return memo[key]
     keys, values = [], {}
 
     def lookup(dim_name: str):
@@ -94,12 +101,12 @@ def _row_splits(rule, sources: int, logical: LogicalShape, rules, config: dict) 
     return [(total // sources, f"({formula}) / {sources}")] * sources
 
 
-def _expected_groups(target, rules, config: dict):
+def _expected_groups(target, rules, config: dict, memo: dict | None = None):
     """The target's sources by group (one group; per expert one each) with, per position in a group, the
     (shape, formula) its source must have; and the config.json keys used. None: the rule gives no shape.
     Groups of one length share their positions (the experts of a layer are alike): worked out once."""
     rule = target.rule
-    logical = logical_shape(rule, target.name, rules, config)
+    logical = logical_shape(rule, target.name, rules, config, memo)
     if logical is None:
         return None
     if rule.style == "expert" and rule.stacked:
@@ -171,9 +178,9 @@ def mismatch_message(target_name: str, expected: Expected, found: tuple[int, ...
 def check_shapes(targets, tensors: dict, rules, config: dict) -> int:
     """PlanError at the first claimed tensor whose shape is not what the rules imply; returns how many were checked.
     A target's shapes are compared as one list; only a target that fails is walked source by source."""
-    checked = 0
+    checked, logical = 0, {}
     for t in targets:
-        grouped = _expected_groups(t, rules, config)
+        grouped = _expected_groups(t, rules, config, logical)
         if grouped is None:
             continue
         groups, _ = grouped
@@ -203,9 +210,6 @@ def _first_mismatch(target, tensors: dict, rules, config: dict) -> None:
 def delivered_dtype(rule, stored: str) -> str:
     """The dtype a param is delivered in: as stored, or F32 for `dtype = "float32"` rules."""
     return "F32" if rule.dtype == "float32" and stored in FLOATS else stored
-
-
-_DTYPE, _NBYTES = operator.attrgetter("dtype"), operator.attrgetter("nbytes")
 
 
 def weight_dtype(targets, tensors: dict) -> str | None:
