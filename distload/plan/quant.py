@@ -144,15 +144,19 @@ def companions(targets, tensors: dict, scheme: Scheme | None) -> list[Companion]
     if scheme is None:
         return []
     out = []
+    # A scale's name ends with `.<suffix>`: a suffix no checkpoint name ends with (dynamic FP8's input_scale)
+    # has nothing to look up per source.
+    kinds = [(suffix, role, any(map(operator.methodcaller("endswith", "." + suffix), tensors)))
+             for suffix, role in ((scheme.weight_scale, "weight"), ("input_scale", "input"))]
     for t in targets:
         sources = t.sources
         if (not t.name.endswith("weight") or not all(map(_is_weight, sources))
                 or not all(map(tensors.__contains__, sources))):
             continue
         quantized = False
-        for suffix, role in ((scheme.weight_scale, "weight"), ("input_scale", "input")):
+        for suffix, role, anywhere in kinds:
             scales = [s[:-_WEIGHT] + suffix for s in sources]   # with_suffix, inline: thousands per target
-            present = list(filter(tensors.__contains__, scales))
+            present = list(filter(tensors.__contains__, scales)) if anywhere else []
             if not present:
                 if role == "input" and quantized and scheme.static_input:
                     raise PlanError(f"{t.name}: {scheme.where} says activation_scheme static, but the checkpoint "
