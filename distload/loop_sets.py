@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from . import names
 from .errors import RuleError
 
 SET_KEYS = {"loop", "every", "stride", "from", "skip", "list", "equals"}
@@ -77,24 +78,17 @@ def members(s: LoopSet, dim, config: dict, values: range, where: str) -> set[int
     return {v for v in chosen if entries[v] == s.equals}
 
 
-def _prefix_pattern(template: str) -> re.Pattern:
-    out, pos = [], 0
-    for m in re.finditer(r"\{(\w+)\}", template):
-        out += [re.escape(template[pos:m.start()]), f"(?P<{m.group(1)}>0|[1-9][0-9]*)"]
-        pos = m.end()
-    out.append(re.escape(template[pos:]))
-    return re.compile("".join(out) + r"(?:\..*)?")
-
-
 def past_loops(templates, tensor_names, ranges: dict[str, range]) -> set[str]:
     """The names under one of `templates` (the name itself or `name.<anything>`) with a loop value outside its
     range: tensors after the layer loop (or before its span), declared by template rather than by name."""
-    patterns = [_prefix_pattern(t) for t in templates]
     out = set()
-    for name in tensor_names:
-        for pattern in patterns:
-            m = pattern.fullmatch(name)
-            if m and any(int(v) not in ranges[k] for k, v in m.groupdict().items()):
-                out.add(name)
-                break
+    for template in templates:
+        # A name's leading part (`model.layers.61`) decides: each distinct one is judged once, and only the
+        # names under an outside one are matched whole (`name.<anything>`: no line break, as the regex's `.`).
+        outside = {lead for lead in names.leads(template, tensor_names)
+                   if any(v not in ranges[k] for k, v in names.match(template, lead).items())}
+        if outside:
+            leading = names.leading(template)
+            under = re.compile(leading.pattern + r"(?:\..*)?")
+            out.update(n for n in tensor_names if under.fullmatch(n) and leading.match(n)[0] in outside)
     return out

@@ -19,13 +19,43 @@ def variables(template: str) -> tuple[str, ...]:
     return tuple(_VAR.findall(template))
 
 
+@lru_cache(maxsize=4096)
+def _pieces(template: str) -> tuple[str, ...]:
+    """The template split at its variables: text, variable, text, ..., text (split once per template)."""
+    return tuple(_VAR.split(template))
+
+
+def _filled(template: str, values: dict, split_at: str | None = None) -> list[str]:
+    """The template with its variables filled from `values`, as the texts between the occurrences of
+    variable `split_at` (one text when it is None or absent)."""
+    pieces = _pieces(template)
+    texts, out = [], [pieces[0]]
+    for i in range(1, len(pieces), 2):
+        var = pieces[i]
+        if var == split_at:
+            texts.append("".join(out))
+            out = []
+        elif var not in values:
+            raise KeyError(f"template {template!r} needs a value for {{{var}}}")
+        else:
+            out.append(str(values[var]))
+        out.append(pieces[i + 1])
+    texts.append("".join(out))
+    return texts
+
+
 def expand(template: str, **values: int) -> str:
     """Fill a template's variables: expand('a.{layer}.b', layer=3) -> 'a.3.b'."""
-    def sub(m: re.Match) -> str:
-        if m.group(1) not in values:
-            raise KeyError(f"template {template!r} needs a value for {{{m.group(1)}}}")
-        return str(values[m.group(1)])
-    return _VAR.sub(sub, template)
+    return _filled(template, values)[0]
+
+
+def expand_each(template: str, var: str, values, **fixed: int) -> list[str]:
+    """[expand(template, **fixed, var=v) for v in values], the other variables filled once rather than per
+    value (a layer's names over its hundreds of experts)."""
+    if not values:
+        return []
+    texts = _filled(template, fixed, var)
+    return [str(v).join(texts) for v in values]
 
 
 @lru_cache(maxsize=4096)
@@ -43,6 +73,32 @@ def match(template: str, name: str) -> dict[str, int] | None:
     """The variable values that make `template` equal `name`, or None."""
     m = _pattern(template).fullmatch(name)
     return None if m is None else {k: int(v) for k, v in m.groupdict().items()}
+
+
+def fullmatcher(template: str):
+    """`fullmatcher(t)(name)` is truthy iff match(t, name) is not None: for filtering many names in one call."""
+    return _pattern(template).fullmatch
+
+
+@lru_cache(maxsize=4096)
+def leading(template: str) -> re.Pattern:
+    """Matches a name that is the template's or starts with one of its names and a dot; m[0] is that leading
+    part (`model.layers.3` of `model.layers.3.mlp.down_proj.weight` under `model.layers.{layer}`)."""
+    return re.compile(_pattern(template).pattern + r"(?=\.|\Z)")
+
+
+def leads(template: str, tensor_names) -> set[str]:
+    """The distinct leading parts (see `leading`) of the names under the template. A checkpoint lists a
+    layer's (an expert's) names together: a name under the previous lead is that lead again, unmatched."""
+    match, out, under = leading(template).match, set(), None
+    for name in tensor_names:
+        if under and name.startswith(under):
+            continue
+        m = match(name)
+        if m is not None:
+            out.add(m[0])
+            under = m[0] + "."
+    return out
 
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")

@@ -41,19 +41,12 @@ def loop_templates(rules: FamilyRules, var: str) -> set[str]:
 
 
 def values_in_checkpoint(tensors, templates: set[str], var: str) -> set[int]:
-    """The values of `var` that checkpoint names take under the templates' prefixes up to `{var}`: one
-    pass over the names per distinct prefix."""
+    """The values of `var` that checkpoint names take under the templates' prefixes up to `{var}`: one pass
+    over the names per distinct prefix, each distinct leading part (a layer's) matched once."""
     prefixes = {t[:t.index("{" + var + "}") + len(var) + 2] for t in templates}
     found: set[int] = set()
     for prefix in prefixes:
-        parts = prefix.count(".") + 1  # loop values hold no dots: a prefix spans as many dotted parts
-        head = prefix[:prefix.index("{")]   # the literal start every match has: most names fail it cheaply
-        # Many names share their first `parts` parts (a layer's tensors): each distinct one is matched once.
-        leads = {".".join(name.split(".", parts)[:parts]) for name in tensors if name.startswith(head)}
-        for lead in leads:
-            values = names.match(prefix, lead)
-            if values is not None:
-                found.add(values[var])
+        found.update(names.match(prefix, lead)[var] for lead in names.leads(prefix, tensors))
     return found
 
 

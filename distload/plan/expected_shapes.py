@@ -18,6 +18,7 @@ the scales); integer and bool dtypes are always refused.
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from ..errors import PlanError, RuleError
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 FP8S = ("F8_E4M3", "F8_E5M2")
+_DTYPE, _NBYTES = operator.attrgetter("dtype"), operator.attrgetter("nbytes")
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,17 @@ def shape_exprs(rule, target_name: str, rules) -> tuple[str, ...]:
     return ()
 
 
-def logical_shape(rule, target_name: str, rules, config: dict) -> LogicalShape | None:
-    """The param's full logical shape from its rule and config.json; None when the rule gives none."""
+def logical_shape(rule, target_name: str, rules, config: dict, memo: dict | None = None) -> LogicalShape | None:
+    """The param's full logical shape from its rule and config.json; None when the rule gives none. `memo`
+    keeps the shapes evaluated per rule and expressions (a rule's targets over the layers share theirs)."""
     exprs = shape_exprs(rule, target_name, rules)
     if not exprs:
         return None
+    if memo is not None:
+        key = (id(rule), exprs)
+        if key not in memo:
+            memo[key] = logical_shape(rule, target_name, rules, config)
+        return memo[key]
     keys, values = [], {}
 
     def lookup(dim_name: str):
@@ -93,35 +101,51 @@ def _row_splits(rule, sources: int, logical: LogicalShape, rules, config: dict) 
     return [(total // sources, f"({formula}) / {sources}")] * sources
 
 
-def expected_sources(target, rules, config: dict) -> list[Expected]:
-    """The expected shape of every checkpoint tensor of one expanded target (empty: the rule gives no shape)."""
+def _expected_groups(target, rules, config: dict, memo: dict | None = None):
+    """The target's sources by group (one group; per expert one each) with, per position in a group, the
+    (shape, formula) its source must have; and the config.json keys used. None: the rule gives no shape.
+    Groups of one length share their positions (the experts of a layer are alike): worked out once."""
     rule = target.rule
-    logical = logical_shape(rule, target.name, rules, config)
+    logical = logical_shape(rule, target.name, rules, config, memo)
     if logical is None:
-        return []
-    keys, transposed = logical.keys, rule.transposed
+        return None
     if rule.style == "expert" and rule.stacked:
         experts, used = rules.dim_keys(config, "experts")
         (src,) = target.sources
-        return [Expected(src, (experts,) + logical.shape, ("experts",) + logical.formula,
-                         tuple(dict.fromkeys(used + keys)), transposed)]
+        positions = [((experts,) + logical.shape, ("experts",) + logical.formula)]
+        return [((src,), positions)], tuple(dict.fromkeys(used + logical.keys))
     groups = target.expert_sources if rule.style == "expert" else (target.sources,)
-    out = []
+    by_length, out = {}, []
     for sources in groups:
-        if len(sources) == 1:
-            out.append(Expected(sources[0], logical.shape, logical.formula, keys, transposed))
-            continue
-        for src, (rows, formula) in zip(sources, _row_splits(rule, len(sources), logical, rules, config)):
-            out.append(Expected(src, (rows,) + logical.shape[1:], (formula,) + logical.formula[1:], keys, transposed))
-    return out
+        n = len(sources)
+        if n not in by_length:
+            by_length[n] = [(logical.shape, logical.formula)] if n == 1 else [
+                ((rows,) + logical.shape[1:], (formula,) + logical.formula[1:])
+                for rows, formula in _row_splits(rule, n, logical, rules, config)]
+        out.append((sources, by_length[n]))
+    return out, logical.keys
+
+
+def expected_sources(target, rules, config: dict) -> list[Expected]:
+    """The expected shape of every checkpoint tensor of one expanded target (empty: the rule gives no shape)."""
+    grouped = _expected_groups(target, rules, config)
+    if grouped is None:
+        return []
+    groups, keys = grouped
+    transposed = target.rule.transposed
+    return [Expected(src, shape, formula, keys, transposed)
+            for sources, positions in groups for src, (shape, formula) in zip(sources, positions)]
+
+
+def _on_disk(shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
+    if transposed and len(shape) >= 2:
+        return shape[:-2] + (shape[-1], shape[-2])
+    return shape
 
 
 def stored_shape(expected: Expected) -> tuple[int, ...]:
     """The shape on disk: the logical one, or with its last two axes swapped for a transposed source."""
-    shape = expected.shape
-    if expected.transposed and len(shape) >= 2:
-        return shape[:-2] + (shape[-1], shape[-2])
-    return shape
+    return _on_disk(expected.shape, expected.transposed)
 
 
 def _config_values(keys, config: dict) -> str:
@@ -152,15 +176,35 @@ def mismatch_message(target_name: str, expected: Expected, found: tuple[int, ...
 
 
 def check_shapes(targets, tensors: dict, rules, config: dict) -> int:
-    """PlanError at the first claimed tensor whose shape is not what the rules imply; returns how many were checked."""
-    checked = 0
+    """PlanError at the first claimed tensor whose shape is not what the rules imply; returns how many were checked.
+    A target's shapes are compared as one list; only a target that fails is walked source by source."""
+    checked, logical = 0, {}
     for t in targets:
-        for expected in expected_sources(t, rules, config):
-            found = tuple(tensors[expected.source].shape)
-            if found != stored_shape(expected):
-                raise PlanError(mismatch_message(t.name, expected, found, rules, config))
-            checked += 1
+        grouped = _expected_groups(t, rules, config, logical)
+        if grouped is None:
+            continue
+        groups, _ = grouped
+        on_disk, want = {}, []
+        for _, positions in groups:
+            if id(positions) not in on_disk:
+                on_disk[id(positions)] = [_on_disk(shape, t.rule.transposed) for shape, _ in positions]
+            want += on_disk[id(positions)]
+        try:
+            found = [tuple(tensors[s].shape) for sources, _ in groups for s in sources]
+        except KeyError:
+            found = None   # the walk below fails where the unclaimed source is
+        if found != want:
+            _first_mismatch(t, tensors, rules, config)
+        checked += len(want)
     return checked
+
+
+def _first_mismatch(target, tensors: dict, rules, config: dict) -> None:
+    """PlanError at the target's first source whose shape is not what the rules imply."""
+    for expected in expected_sources(target, rules, config):
+        found = tuple(tensors[expected.source].shape)
+        if found != stored_shape(expected):
+            raise PlanError(mismatch_message(target.name, expected, found, rules, config))
 
 
 def delivered_dtype(rule, stored: str) -> str:
@@ -170,37 +214,69 @@ def delivered_dtype(rule, stored: str) -> str:
 
 def weight_dtype(targets, tensors: dict) -> str | None:
     """The checkpoint's weight dtype: the float dtype holding the most bytes of the claimed tensors."""
-    nbytes = Counter()
-    for t in targets:
-        for s in t.sources:
-            e = tensors[s]
-            if e.dtype in FLOATS and t.rule.dtype == "float":
-                nbytes[e.dtype] += e.nbytes
+    return _weight_dtype(_dtype_census(targets, tensors)[0])
+
+
+def _weight_dtype(nbytes: Counter) -> str | None:
     return nbytes.most_common(1)[0][0] if nbytes else None
 
 
-def check_dtypes(targets, companions, tensors: dict, quantized: bool) -> None:
-    """PlanError at the first claimed tensor whose dtype the policy above refuses."""
-    main = weight_dtype(targets, tensors)
+def _dtype_census(targets, tensors: dict) -> tuple[Counter, list[set[str]]]:
+    """The bytes per float dtype of the `float` targets' sources (keys in order of first appearance), and per
+    target its sources' distinct dtypes: one pass over the sources for both."""
+    nbytes, distinct = Counter(), []
     for t in targets:
-        mixed = len({tensors[x].dtype for x in t.sources}) > 1   # the plan names both parts' dtypes
-        for s in t.sources:
-            dtype = tensors[s].dtype
-            if dtype in FP8S:
-                if not quantized:
-                    raise PlanError(f"{s}: stored as {dtype}, but config.json declares no quantization_config; an FP8 "
-                                    f"weight without its scheme would load as raw FP8 values: add the checkpoint's "
-                                    f"quantization_config or re-save it in a float dtype")
-                continue
-            if dtype not in FLOATS:
-                raise PlanError(f"{s}: stored as {dtype}, but param {t.name} is floating point; integer and bool "
-                                f"dtypes are refused (the checkpoint is damaged or mislabelled): re-save it")
-            if t.rule.dtype == "float" and dtype != main and not mixed:
-                raise PlanError(f"{s}: stored as {dtype}, but the checkpoint's weights are {main} and the rule for "
-                                f"{t.name} allows no other width (distload does not cast): re-save the checkpoint "
-                                f"in one dtype, or declare dtype = \"any-float\" for this param in the rules")
+        entries = list(map(tensors.__getitem__, t.sources))
+        dtypes = set(map(_DTYPE, entries))
+        distinct.append(dtypes)
+        if t.rule.dtype != "float":
+            continue
+        if len(dtypes) == 1:   # the usual target (a layer's experts): summed at once
+            (dtype,) = dtypes
+            if dtype in FLOATS:
+                nbytes[dtype] += sum(map(_NBYTES, entries))
+            continue
+        for e in entries:
+            if e.dtype in FLOATS:
+                nbytes[e.dtype] += e.nbytes
+    return nbytes, distinct
+
+
+def check_dtypes(targets, companions, tensors: dict, quantized: bool) -> None:
+    """PlanError at the first claimed tensor whose dtype the policy above refuses. Whether a source is refused
+    depends on its dtype alone (within its target), so each target's distinct dtypes are judged first and
+    only a target with a refused one is walked source by source."""
+    nbytes, distinct = _dtype_census(targets, tensors)
+    main = _weight_dtype(nbytes)
+    for t, dtypes in zip(targets, distinct):
+        mixed = len(dtypes) > 1   # the plan names both parts' dtypes
+        if any(_refusal(t, None, d, main, mixed, quantized) for d in dtypes):
+            for s in t.sources:
+                refusal = _refusal(t, s, tensors[s].dtype, main, mixed, quantized)
+                if refusal:
+                    raise PlanError(refusal)
     for c in companions:
+        if set(map(_DTYPE, map(tensors.__getitem__, c.sources))).issubset(FLOATS):
+            continue
         for s in c.sources:
             if tensors[s].dtype not in FLOATS:
                 raise PlanError(f"{s}: a quantization scale stored as {tensors[s].dtype}; scales are float (F32, "
                                 f"BF16, F16): the checkpoint is damaged or mislabelled")
+
+
+def _refusal(t, s: str | None, dtype: str, main: str | None, mixed: bool, quantized: bool) -> str | None:
+    """Why the policy refuses source `s` of target `t` stored as `dtype`; None: accepted."""
+    if dtype in FP8S:
+        if quantized:
+            return None
+        return (f"{s}: stored as {dtype}, but config.json declares no quantization_config; an FP8 weight without "
+                f"its scheme would load as raw FP8 values: add the checkpoint's quantization_config or re-save it "
+                f"in a float dtype")
+    if dtype not in FLOATS:
+        return (f"{s}: stored as {dtype}, but param {t.name} is floating point; integer and bool dtypes are "
+                f"refused (the checkpoint is damaged or mislabelled): re-save it")
+    if t.rule.dtype == "float" and dtype != main and not mixed:
+        return (f"{s}: stored as {dtype}, but the checkpoint's weights are {main} and the rule for {t.name} allows "
+                f"no other width (distload does not cast): re-save the checkpoint in one dtype, or declare "
+                f"dtype = \"any-float\" for this param in the rules")
+    return None

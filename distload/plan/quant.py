@@ -10,6 +10,8 @@ its weight's own layout (quant_layouts.py); quant_steps.py turns the staged para
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 from .. import names
@@ -48,7 +50,7 @@ class Companion:
     role: str                          # "weight" (the weight's scale) or "input" (static activation scale)
     scale_of: tuple[tuple[str, str], ...]   # (weight source, its scale source), in the weight's source order
 
-    @property
+    @functools.cached_property   # asked for per planning pass; computed once
     def sources(self) -> tuple[str, ...]:
         return tuple(s for _, s in self.scale_of)
 
@@ -128,8 +130,12 @@ def online_scheme(quantize: str | None) -> Scheme | None:
     return Scheme("fp8-block", "--quantize fp8-block", "weight_scale_inv", block=ONLINE_BLOCK)
 
 
+_WEIGHT = len("weight")
+_is_weight = operator.methodcaller("endswith", ".weight")
+
+
 def with_suffix(weight_name: str, suffix: str) -> str:
-    return weight_name[: -len("weight")] + suffix
+    return weight_name[:-_WEIGHT] + suffix
 
 
 def companions(targets, tensors: dict, scheme: Scheme | None) -> list[Companion]:
@@ -138,14 +144,19 @@ def companions(targets, tensors: dict, scheme: Scheme | None) -> list[Companion]
     if scheme is None:
         return []
     out = []
+    # A scale's name ends with `.<suffix>`: a suffix no checkpoint name ends with (dynamic FP8's input_scale)
+    # has nothing to look up per source.
+    kinds = [(suffix, role, any(map(operator.methodcaller("endswith", "." + suffix), tensors)))
+             for suffix, role in ((scheme.weight_scale, "weight"), ("input_scale", "input"))]
     for t in targets:
         sources = t.sources
-        if not t.name.endswith("weight") or not all(s.endswith(".weight") and s in tensors for s in sources):
+        if (not t.name.endswith("weight") or not all(map(_is_weight, sources))
+                or not all(map(tensors.__contains__, sources))):
             continue
         quantized = False
-        for suffix, role in ((scheme.weight_scale, "weight"), ("input_scale", "input")):
-            scales = [with_suffix(s, suffix) for s in sources]
-            present = [s for s in scales if s in tensors]
+        for suffix, role, anywhere in kinds:
+            scales = [s[:-_WEIGHT] + suffix for s in sources]   # with_suffix, inline: thousands per target
+            present = list(filter(tensors.__contains__, scales)) if anywhere else []
             if not present:
                 if role == "input" and quantized and scheme.static_input:
                     raise PlanError(f"{t.name}: {scheme.where} says activation_scheme static, but the checkpoint "
@@ -158,7 +169,7 @@ def companions(targets, tensors: dict, scheme: Scheme | None) -> list[Companion]
                                 f"is quantized alike: the checkpoint is incomplete")
             quantized = quantized or role == "weight"
             out.append(Companion(with_suffix(t.name, suffix), t.name, role, tuple(zip(sources, scales))))
-        dtypes = sorted({tensors[s].dtype for s in sources})
+        dtypes = sorted({e.dtype for e in map(tensors.__getitem__, sources)})
         if quantized and dtypes != [FP8]:
             raise PlanError(f"{t.name}: has {scheme.weight_scale} tensors but its weights are {', '.join(dtypes)}; "
                             f"{scheme.where} needs {FP8} weights next to their scales")

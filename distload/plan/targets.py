@@ -43,8 +43,12 @@ def _in_sets(rule: ParamRule, rules: FamilyRules, config: dict, ranges: dict[str
 
 def _expand_form(form: ParamRule, name: str, values: dict, ranges: dict[str, range]) -> Target:
     if form.style == "expert" and not form.stacked:
-        per_expert = tuple(tuple(names.expand(p, **values, expert=e) for p in form.parts) for e in ranges["expert"])
-        return Target(name, form, tuple(s for ss in per_expert for s in ss), per_expert)
+        experts = ranges["expert"]
+        if "expert" in values:   # a target named per expert: expanded name by name, which refuses the second value
+            per_expert = tuple(tuple(names.expand(p, **values, expert=e) for p in form.parts) for e in experts)
+        else:   # each part's names over all experts at once
+            per_expert = tuple(zip(*(names.expand_each(p, "expert", experts, **values) for p in form.parts)))
+        return Target(name, form, tuple(itertools.chain.from_iterable(per_expert)), per_expert)
     return Target(name, form, tuple(names.expand(p, **values) for p in form.parts))
 
 
@@ -66,30 +70,23 @@ def expand_targets(rules: FamilyRules, config: dict, tensors) -> tuple[list[Targ
             if name in tied or not exists(values):
                 continue
             forms = [_expand_form(form, name, values, ranges) for form in rule.forms]
-            present = [sum(s in tensors for s in t.sources) for t in forms]
+            present = [sum(map(tensors.__contains__, t.sources)) for t in forms]
             complete = [t for t, n in zip(forms, present) if n == len(t.sources)]
             targets.append(complete[0] if complete else forms[present.index(max(present))])
     return targets, tied
 
 
-def dropped_by(template: str, name: str) -> bool:
-    """A `drop` entry takes the name it spells (with loop variables), or with a trailing `.*` every name under
-    that prefix (Qwen3-Next's `mtp.*` speculative-decoding head, not part of the serving model)."""
-    if template.endswith(".*"):
-        return name.startswith(template[:-1])
-    return names.match(template, name) is not None
-
-
 def _dropped(tensors, templates) -> set[str]:
-    """The names some `drop` template takes. A name can match a template only if it starts with the template's
-    text before its first variable and ends with the text after its last one: only those are matched."""
+    """The names some `drop` template takes: the name it spells (with loop variables), or with a trailing `.*`
+    every name under that prefix (Qwen3-Next's `mtp.*` speculative-decoding head, not part of the serving
+    model). One regex filter over the names per template."""
     out = set()
     for template in templates:
         if template.endswith(".*"):
-            head, tail = template[:-1], ""
+            head = template[:-1]
+            out.update(n for n in tensors if n.startswith(head))
         else:
-            head, tail = template.split("{", 1)[0], template.rsplit("}", 1)[-1]
-        out.update(n for n in tensors if n.startswith(head) and n.endswith(tail) and dropped_by(template, n))
+            out.update(filter(names.fullmatcher(template), tensors))
     return out
 
 
@@ -108,10 +105,10 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
     sources too); strict: refuse any missing or unexpected tensor, naming them and the fix."""
     claimed: dict[str, str] = {}
     for t in targets + claimants:
-        for s in t.sources:
-            if s in claimed:
-                raise RuleError(f"{rules.source}: checkpoint tensor {s!r} is claimed by both {claimed[s]!r} and {t.name!r}")
-            claimed[s] = t.name
+        mine = dict.fromkeys(t.sources, t.name)
+        if len(mine) < len(t.sources) or not claimed.keys().isdisjoint(mine):
+            _refuse_double_claim(claimed, t, rules)
+        claimed.update(mine)
     # Sources of a tied alias that the checkpoint still carries are read by nobody: the alias is the embedding.
     tied_sources = set()
     for alias in tied:
@@ -120,10 +117,11 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
                 tied_sources.update(p for form in rule.forms for p in form.parts)
     dropped = _dropped(tensors, rules.drop)
     dropped |= loop_sets.past_loops(rules.drop_past, tensors, loop_ranges(rules, config))
-    ignored = sorted(dropped | (tied_sources & set(tensors)))
-    missing_by_target = {t.name: [s for s in t.sources if s not in tensors] for t in targets}
+    ignored = sorted(dropped | {s for s in tied_sources if s in tensors})
+    missing_by_target = {t.name: list(itertools.filterfalse(tensors.__contains__, t.sources)) for t in targets}
     missing = sorted(s for ss in missing_by_target.values() for s in ss)
-    unexpected = sorted(set(tensors) - set(claimed) - set(ignored))
+    absent = len(missing) + sum(len(list(itertools.filterfalse(tensors.__contains__, c.sources))) for c in claimants)
+    unexpected = _unexpected(tensors, claimed, ignored, absent)
     if strict and (missing or unexpected):
         msg = [f"checkpoint does not match rules {rules.source} (family {rules.name})"]
         if missing:
@@ -133,3 +131,23 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
         msg.append("fix: use the rules file for this architecture (--config PATH), or pass --no-strict to load what matches")
         raise PlanError("; ".join(msg))
     return Match([t for t in targets if not missing_by_target[t.name]], missing, unexpected, ignored)
+
+
+def _unexpected(tensors, claimed: dict[str, str], ignored: list[str], absent: int) -> list[str]:
+    """The checkpoint's tensors that nothing claims or ignores, sorted. `absent` claimed names are not in the
+    checkpoint and every ignored one is: when the counts say each tensor is covered (the usual case), the
+    names need no set difference."""
+    covered = len(claimed) - absent + sum(1 for n in ignored if n not in claimed)
+    if covered == len(tensors):
+        return []
+    return sorted(set(tensors).difference(claimed, ignored))
+
+
+def _refuse_double_claim(claimed: dict[str, str], target, rules: FamilyRules) -> None:
+    """RuleError naming the first of the target's sources that is claimed already (by another target, or twice
+    by this one)."""
+    for s in target.sources:
+        if s in claimed:
+            raise RuleError(f"{rules.source}: checkpoint tensor {s!r} is claimed by both {claimed[s]!r} and "
+                            f"{target.name!r}")
+        claimed[s] = target.name
