@@ -63,6 +63,8 @@ def buckets_for(reader: int, spans: list[Span], world: int, staging_bytes: int, 
 
 
 def _summed_once(memo: dict, per_chunk: list[tuple]) -> tuple:
+    if len(per_chunk) == 1:   # a bucket of one chunk (the common case): its groups as they are
+        return per_chunk[0]
     key = tuple(map(id, per_chunk))
     known = memo.get(key)
     if known is None:
