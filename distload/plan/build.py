@@ -27,7 +27,7 @@ from ..dtypes import itemsize
 from .expert_layouts import lazily_shared
 from .shard import view2d
 from .source_shares import SourceShares, share_takers, takers_broadcast
-from .types import LoadPlan, ParamSpec, Share, Source, is_broadcast
+from .types import LoadPlan, ParamSpec, Share, Source
 
 
 @collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
@@ -137,7 +137,6 @@ def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list]:
     return dict(shares)
 
 
-
 def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:
     """A tied alias is the spec of the param it aliases, marked alias_of: loaded once, never read twice."""
     for alias, to in tied.items():
@@ -171,7 +170,7 @@ def _sources(shares: dict[str, list], tensors: dict, world: int, per_node: froze
         else:
             ss = tuple(ss)
             takers = share_takers(ss, isz)
-            broadcast = is_broadcast(ss, shape, world)
+            broadcast = takers_broadcast(takers, rows, row_bytes, world)
         sources.append(Source.planned(name, e.file, e.offset, e.dtype, shape, ss, name not in per_node and broadcast,
                                       name in per_node, geometry[:3], takers))
     return sources

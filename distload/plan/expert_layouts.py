@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..errors import PlanError
 from .ranks import RankValues
 from .shard import LocalLayout, Piece
+from .source_shares import share_takers
 from .types import Share
 
 
@@ -100,12 +101,14 @@ class ExpertLayouts(RankValues):
             out.sort()
         return out
 
+    def holders(self, source: str) -> list[int]:
+        """The value indices (ascending) whose ranks host the expert that takes `source`."""
+        return sorted({i for e, _, _ in self.slots[source] for i, _ in self.placement.hosting[e]})
+
     def shares(self, source: str) -> list[Share]:
-        new, param = tuple.__new__, self.param
         if not self.exact:
-            holders = sorted({i for e, _, _ in self.slots[source] for i, _ in self.placement.hosting[e]})
-            return [new(Share, (self.group(i), param, p)) for i in holders for p in self.value(i).pieces
-                    if p.source == source]
+            return _shares_read_off(self, self.holders(source), source)
+        new, param = tuple.__new__, self.param
         cuts, keys = self.cuts.cuts, self.placement.keys
         return [new(Share, (self.group(i), param, Piece(source, rows, cols, dst_row + slot * cuts[keys[i][1]].rows,
                                                           dst_col)))
@@ -114,8 +117,7 @@ class ExpertLayouts(RankValues):
     def takers(self, source: str, isz: int) -> tuple:
         """(first row, end row, bytes per row, group) per share of `source`, as types.Source lists them."""
         if not self.exact:
-            return tuple((s.piece.rows[0], s.piece.rows[1], (s.piece.cols[1] - s.piece.cols[0]) * isz, s.ranks)
-                         for s in self.shares(source))
+            return share_takers(self.shares(source), isz)
         key = (self._template_id, self.slots[source], isz)
         memo = self.placement.memo
         known = memo.get(key)
@@ -138,13 +140,16 @@ class DerivedExpertLayouts(RankValues):
         return self.weight_source_of.keys()
 
     def shares(self, source: str) -> list[Share]:
-        new, param, w = tuple.__new__, self.param, self.weight
-        holders = sorted({i for e, _, _ in w.slots[self.weight_source_of[source]] for i, _ in w.placement.hosting[e]})
-        return [new(Share, (self.group(i), param, p)) for i in holders for p in self.value(i).pieces
-                if p.source == source]
+        return _shares_read_off(self, self.weight.holders(self.weight_source_of[source]), source)
 
     def takers(self, source: str, isz: int) -> tuple:
         return self.takers_of(self.weight_source_of[source])
+
+
+def _shares_read_off(lays: RankValues, holders: list[int], source: str) -> list[Share]:
+    """`source`'s shares as the stacked values of `holders` list its pieces."""
+    new, param = tuple.__new__, lays.param
+    return [new(Share, (lays.group(i), param, p)) for i in holders for p in lays.value(i).pieces if p.source == source]
 
 
 def lazily_shared(lays) -> bool:

@@ -21,7 +21,7 @@ from ..rules import ParamRule
 from ..topology import Layout
 from .ranks import Ranks
 from .shard import Piece, view2d
-from .source_shares import SourceShares, share_takers
+from .source_shares import SourceShares, share_takers, takers_broadcast
 
 
 @dataclass(frozen=True)
@@ -126,13 +126,7 @@ def shares_of(deliveries) -> tuple[Share, ...]:
 def is_broadcast(shares, shape: tuple[int, ...], world: int) -> bool:
     """Does every rank of `world` receive the whole tensor (each rank in exactly one share)?"""
     rows, cols = view2d(shape)
-    all_rows, all_cols = (0, rows), (0, cols)
-    for s in shares:  # a loop that stops at the first part piece: planning asks once per source of the job
-        if s.piece.rows != all_rows or s.piece.cols != all_cols:
-            return False
-    if sum(s.ranks.count for s in shares) != world:
-        return False
-    return len({r for s in shares for r in s.ranks.members()}) == world if len(shares) > 1 else True
+    return takers_broadcast(share_takers(shares, 1), rows, cols, world)   # widths in elements: one byte each
 
 
 class Chunk(NamedTuple):
