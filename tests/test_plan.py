@@ -496,6 +496,49 @@ def test_more_nodes_and_replicas(ckpt, world, tp, local_world):
     assert_rows_stay_on_their_node(plan)
 
 
+def test_many_nodes_read_equal_shares(ckpt):
+    """16 nodes, each a tp-4 replica: every row is taken on every node, so the nodes split the checkpoint's
+    bytes evenly, cutting a tensor (the embedding, bigger than a node's share) at a row where a share ends."""
+    entries, config, rules, total = ckpt("qwen3")
+    layout = Layout(world=64, tp=4, readers=tuple(range(0, 64, 4)), local_world=4)
+    plan = build_plan(entries, config, rules, layout)
+    assert_each_byte_read_once(plan)
+    assert_matches_oracle(plan, arange_values(entries), config)
+    per_node = {}
+    for b in plan.buckets:
+        per_node[b.reader] = per_node.get(b.reader, 0) + b.read_bytes
+    share = total / len(layout.readers)
+    assert max(s.nbytes for s in plan.sources.values()) > share   # a tensor that would overload one node whole
+    widest = max(s.row_bytes for s in plan.sources.values())
+    assert len(per_node) == 16 and max(per_node.values()) <= share * 17 / 16 + widest, (share, per_node)
+
+
+def test_experts_over_two_nodes_are_read_on_one_of_them(tmp_path):
+    """Expert groups of 8 ranks over two nodes of 4: rows both nodes take (w2, cut by columns) are read on one
+    of the two, never on a third node; every byte once, every rank its oracle shard."""
+    from checks import assert_rows_stay_on_their_node
+
+    rules = toy_rules(tmp_path, TOY_MOE_RULES)
+    entries = moe_entries()
+    # The second group hosts the experts first in the file, so spreading by file order alone would not do.
+    layout = Layout(world=16, tp=16, ep=2, readers=(0, 4, 8, 12), local_world=4,
+                    expert_map=((2, 3),) * 8 + ((0, 1),) * 8)
+    plan = build_plan(entries, MOE_CONFIG, rules, layout)
+    values = arange_values(entries)
+    hosts = expert_hosts(E, layout)
+    for rank in range(layout.world):
+        got = materialise_through_buckets(plan, rank, values)
+        w13, w2 = expected_moe(values, hosts[rank], layout.rank_in_expert_group(rank), layout.expert_group_size)
+        assert torch.equal(got["model.layers.0.experts.w13_weight"], w13)
+        assert torch.equal(got["model.layers.0.experts.w2_weight"], w2)
+    assert_each_byte_read_once(plan)
+    assert_rows_stay_on_their_node(plan)
+    readers = {c.source: layout.node(b.reader) for b in plan.buckets for c in b.chunks}
+    for e in range(E):
+        group_nodes = {layout.node(r) for r in range(layout.world) if e in hosts[r]}
+        assert len(group_nodes) == 2 and readers[f"model.layers.0.experts.{e}.w2.weight"] in group_nodes
+
+
 def test_items_on_a_mixed_bucket(ckpt):
     """A non-broadcast bucket with several sources: each rank's items are contiguous and add up."""
     entries, config, rules, _ = ckpt("phi3")

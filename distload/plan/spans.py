@@ -3,8 +3,9 @@
 On one node (or with readers on one node only) sources are split into contiguous runs at tensor
 boundaries, so each reader's reads stay sequential inside a file. With readers on several nodes, rows
 that only one node's ranks take are read by a reader of that node, so they never cross between nodes
-(column-parallel and vocab rows, a node's experts); rows several nodes take (row-parallel tensors,
-replicated ones) are spread over the nodes to even out the bytes each node reads. Every byte is still
+(column-parallel and vocab rows, a node's experts); rows some but not all nodes take (an expert group
+over two nodes) are read by the least loaded of those nodes; rows every node takes (row-parallel
+tensors, replicated ones) are spread over the nodes to even out the bytes each node reads. Every byte is still
 read once by the job, except a source marked per_node (a tied embedding several pipeline stages hold), which
 each node that takes it reads for its own ranks.
 """
@@ -26,28 +27,42 @@ def span_bytes(span: Span) -> int:
     return (b - a) * src.row_bytes
 
 
-def byte_runs(spans: list[Span], readers: tuple[int, ...], quotas: list[float]) -> dict[int, list[Span]]:
+def byte_runs(spans: list[Span], readers: tuple[int, ...], quotas: list[float], cut: bool = False
+              ) -> dict[int, list[Span]]:
     """Split file-ordered spans into contiguous runs, reader i taking about quotas[i] bytes.
 
-    Contiguous runs keep each reader's reads sequential inside a file; a big file is split at a span
-    boundary when that balances better.
+    Contiguous runs keep each reader's reads sequential inside a file; a big file is split at a span boundary
+    when that balances better. cut (between nodes): a span that would overshoot a node's quota by more than a
+    sixteenth of it is cut at a row, since one embedding or vocab shard can outweigh a node's share at a
+    thousand nodes, and the job waits for its slowest reader.
     """
     runs = {r: [] for r in readers}
     i, acc, upto = 0, 0, quotas[0] if quotas else 0
     last = len(readers) - 1
     for span in spans:
-        while i < last and acc >= upto:
-            i += 1
-            upto += quotas[i]
-        runs[readers[i]].append(span)
-        acc += (span[1][1] - span[1][0]) * span[0].row_bytes
+        src, (a, b) = span
+        row_bytes = src.row_bytes
+        while True:
+            while i < last and acc >= upto:
+                i += 1
+                upto += quotas[i]
+            room = upto - acc
+            at = a + max(1, -(-int(room) // row_bytes))   # rows that fill reader i's quota
+            if not cut or i == last or at >= b or (b - a) * row_bytes - room <= quotas[i] / 16:
+                break
+            runs[readers[i]].append((src, (a, at)))
+            acc += (at - a) * row_bytes
+            a = at
+        runs[readers[i]].append(span if a == span[1][0] else (src, (a, b)))
+        acc += (b - a) * row_bytes
     return runs
 
 
 def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozenset]]:
     """The source's rows cut where the set of nodes taking them changes: (first row, end row, nodes). A group
     of replicas on several nodes counts as its first and last member's nodes (all that matters is whether
-    one node alone takes the rows). `local_world`: ranks per node (torchrun numbers ranks node by node)."""
+    one node alone takes the rows, and which few nodes do: MANY marks groups over more nodes).
+    `local_world`: ranks per node (torchrun numbers ranks node by node)."""
     takers = src.takers
     if not takers:
         return [(0, src.rows, frozenset())]
@@ -63,7 +78,7 @@ def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozens
         return [(0, src.rows, frozenset((low,)))]
     rows = src.rows
     cuts = sorted({0, rows} | {r for r0, r1, _, _ in takers for r in (r0, r1) if 0 < r < rows})
-    starts = sorted((r0, r1, n) for r0, r1, _, g in takers for n in {g.first // lw, g.last // lw})
+    starts = sorted((r0, r1, n) for r0, r1, _, g in takers for n in _nodes_named(g.first // lw, g.last // lw))
     segments, active, k = [], [], 0
     for a, b in zip(cuts, cuts[1:]):
         while k < len(starts) and starts[k][0] <= a:
@@ -76,6 +91,14 @@ def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozens
         else:
             segments.append((a, b, nodes))
     return segments or [(0, src.rows, frozenset())]
+
+
+MANY = -1   # in a segment's nodes: a group whose members span more than two nodes (its nodes are not listed)
+
+
+def _nodes_named(first: int, last: int) -> tuple:
+    """A group's nodes as a segment names them: its first and last member's, and MANY when others lie between."""
+    return (first, last) if last - first <= 1 else (first, last, MANY)
 
 
 def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]:
@@ -101,7 +124,14 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
                     home[n].append((s, (a, b)))
                     home_bytes[n] += (b - a) * s.row_bytes
                 continue
-            only = next(iter(takers)) if len(takers) == 1 else None
+            if len(takers) == 1:
+                only = next(iter(takers))
+            elif 1 < len(takers) < len(nodes) and takers <= home.keys():
+                # Rows a few nodes take (an expert group across two nodes, a row-parallel expert projection):
+                # read on the least loaded of them per reader, so that node's share never crosses the network.
+                only = min(sorted(takers), key=lambda n: home_bytes[n] / len(by_node[n]))
+            else:
+                only = None
             if only in home:
                 home[only].append((s, (a, b)))
                 home_bytes[only] += (b - a) * s.row_bytes
@@ -109,13 +139,13 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
                 shared.append((s, (a, b)))
     # Each node reads its share (in proportion to its readers): its own rows, topped up with shared ones.
     quota = [max(0.0, total * len(by_node[n]) / len(readers) - home_bytes[n]) for n in nodes]
-    extra = byte_runs(shared, nodes, quota if sum(quota) else [1.0] * len(nodes))
+    extra = byte_runs(shared, nodes, quota if sum(quota) else [1.0] * len(nodes), cut=True)
     order = {s.name: i for i, s in enumerate(sources)}
     out = {}
     for n in nodes:
         # Both lists are in file order already; only a node topped up with shared rows needs the merge.
         spans = merged(sorted(home[n] + extra[n], key=lambda x: (order[x[0].name], x[1])) if extra[n] else home[n])
-        share = sum(span_bytes(x) for x in spans) / len(by_node[n])
+        share = (home_bytes[n] + sum([span_bytes(x) for x in extra[n]])) / len(by_node[n])
         out.update(byte_runs(spans, by_node[n], [share] * len(by_node[n])))
     return out
 
