@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 
 from .spans import Span
-from .types import Bucket, Chunk
+from .types import Bucket, Chunk, made
 
 # One bucket's staging slot (a rank holds a few: see transfer/). Larger buckets mean fewer messages and
 # more peak memory per rank; BENCHMARKS.md gives the measured trade-off.
@@ -122,5 +122,6 @@ def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tupl
         for reader, b in zip(readers, group):
             if b is not None:
                 bcast, chunks, read, groups = b
-                buckets.append(Bucket(len(buckets), reader, bcast, chunks, read, groups, world))
+                buckets.append(made(Bucket, index=len(buckets), reader=reader, broadcast=bcast, chunks=chunks,
+                                    read_bytes=read, groups=groups, world=world))
     return tuple(buckets)

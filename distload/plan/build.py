@@ -150,6 +150,7 @@ def _sources(shares: dict[str, list], tensors: dict, world: int, per_node: froze
     """The sources that anyone receives, in file order (file, then offset). Runs once per checkpoint tensor:
     geometry is worked out once per (dtype, shape), broadcast once per distinct takers."""
     sources, geometries, broadcasts = [], {}, {}
+    planned, of_layouts = Source.planned, SourceShares.of_layouts
     for name in sorted(shares, key=lambda n: (tensors[n].file, tensors[n].offset)):
         e = tensors[name]
         ss = shares[name]
@@ -160,19 +161,26 @@ def _sources(shares: dict[str, list], tensors: dict, world: int, per_node: froze
             isz = itemsize(e.dtype)
             geometry = geometries[e.dtype, shape] = (rows, cols * isz, rows * cols * isz, isz)
         rows, row_bytes, _, isz = geometry
-        if type(ss[0]) is not Share or not all(type(s) is Share for s in ss):   # some layouts make their shares
-            ss = SourceShares(name, ss if len(ss) == 1 else _runs_of_shares(ss), isz)
+        lone = ss[0] if len(ss) == 1 else None
+        if lone is not None and type(lone) is not Share:   # one param's layouts make the shares (expert sources)
+            takers = lone.takers(name, isz)
+            ss = of_layouts(name, lone, takers)
+        elif type(ss[0]) is not Share or not all(type(s) is Share for s in ss):   # some layouts make their shares
+            ss = SourceShares(name, _runs_of_shares(ss), isz)
             takers = ss.takers
+        else:
+            ss = tuple(ss)
+            takers = share_takers(ss, isz)
+        if type(ss) is tuple:
+            broadcast = takers_broadcast(takers, rows, row_bytes, world)
+        else:
             key = (id(takers), rows, row_bytes)   # alike expert sources: takers kept alive by their layouts' memo
             broadcast = broadcasts.get(key)
             if broadcast is None:
                 broadcast = broadcasts[key] = takers_broadcast(takers, rows, row_bytes, world)
-        else:
-            ss = tuple(ss)
-            takers = share_takers(ss, isz)
-            broadcast = takers_broadcast(takers, rows, row_bytes, world)
-        sources.append(Source.planned(name, e.file, e.offset, e.dtype, shape, ss, name not in per_node and broadcast,
-                                      name in per_node, geometry[:3], takers))
+        twice = name in per_node if per_node else False
+        sources.append(planned(name, e.file, e.offset, e.dtype, shape, ss, broadcast and not twice, twice,
+                               geometry[:3], takers))
     return sources
 
 

@@ -24,13 +24,20 @@ class SourceShares(Sequence):
     takers known before. parts: per param that takes the source, in planning order, its shares (a list) or
     layouts that make them per source (expert_layouts.py)."""
 
+    __slots__ = ("_source", "_parts", "_made", "takers")   # one per expert source of the job
+
     def __init__(self, source: str, parts: list, isz: int):
         self._source, self._parts, self._made = source, parts, None
-        if len(parts) == 1 and not isinstance(parts[0], list):
-            self.takers = parts[0].takers(source, isz)
-            return
         self.takers = sum([share_takers(part, isz) if isinstance(part, list) else part.takers(source, isz)
                            for part in parts], ())
+
+    @classmethod
+    def of_layouts(cls, source: str, lays, takers: tuple) -> "SourceShares":
+        """The shares of a source that one param's layouts alone take (`takers`: lays.takers(source)): planning's
+        common case, one per expert source, built without __init__'s checks."""
+        self = object.__new__(cls)
+        self._source, self._parts, self._made, self.takers = source, (lays,), None, takers
+        return self
 
     @property
     def made(self) -> bool:

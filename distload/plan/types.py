@@ -98,17 +98,23 @@ class Source:
         makes them; a SourceShares' are one object per alike source already). Planning makes one per
         checkpoint tensor, where the frozen dataclass's field-by-field __init__ costs more than all the rest:
         the same object, its fields set at once."""
-        self = object.__new__(cls)
         rows, row_bytes, nbytes = geometry
-        self.__dict__.update(name=name, file=file, offset=offset, dtype=dtype, shape=shape, shares=shares,
-                             broadcast=broadcast, per_node=per_node, rows=rows, row_bytes=row_bytes, nbytes=nbytes,
-                             takers=takers if isinstance(shares, SourceShares) else _interned(takers))
-        return self
+        return made(cls, name=name, file=file, offset=offset, dtype=dtype, shape=shape, shares=shares,
+                    broadcast=broadcast, per_node=per_node, rows=rows, row_bytes=row_bytes, nbytes=nbytes,
+                    takers=takers if isinstance(shares, SourceShares) else _interned(takers))
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
         """Every member's piece, one Delivery each: O(world), for tools and tests (planning uses shares)."""
         return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks.members())
+
+
+def made(cls, **fields):
+    """A frozen dataclass's instance with its fields (and derived values) set at once: for the types planning
+    makes one of per tensor or bucket of the job, where the field-by-field __init__ costs more than the rest."""
+    self = object.__new__(cls)
+    self.__dict__.update(fields)
+    return self
 
 
 @functools.lru_cache(maxsize=1 << 12)
