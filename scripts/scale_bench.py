@@ -250,7 +250,11 @@ def measure(model: str, world: int, rank: int, cache: Path, quantize: str | None
     plan_digest(plan)
     cpu_digest = time.process_time() - cpu0
     traffic = rank_messages(plan, rank)
-    return dict(tensors=len(index.tensors), parse_s=cpu_parse, plan_s=cpu_plan, peak_mb=peak / 1e6, buckets=len(plan.buckets),
+    read = {}
+    for b in plan.buckets:   # the job waits for its slowest node: its bytes read against the mean
+        read[layout.node(b.reader)] = read.get(layout.node(b.reader), 0) + b.read_bytes
+    balance = max(read.values()) * len(read) / sum(read.values())
+    return dict(balance=balance, tensors=len(index.tensors), parse_s=cpu_parse, plan_s=cpu_plan, peak_mb=peak / 1e6, buckets=len(plan.buckets),
                 p2p=traffic["sends"] + traffic["receives"], bcast=traffic["broadcasts"], fanout=traffic["fanouts"],
                 record=detail_record_bytes(plan, rank), digest_s=cpu_digest, ep=layout.ep)
 
@@ -294,7 +298,7 @@ def _child_rss_mb(pid: int) -> float:
 # "parse s": discover + rules_for (reading the headers and config.json); "plan CPU s": build_plan alone, the
 # planning the issue bounds; the peak covers both (RSS high-water mark over the process's start).
 COLUMNS = ("model", "world", "tensors", "parse s", "plan CPU s", "parse+plan peak MB", "buckets", "p2p messages (rank)",
-           "broadcasts (rank)", "fan-outs (rank)", "plan_digest CPU s", "detail record B", "reconcile recv/rank B")
+           "broadcasts (rank)", "fan-outs (rank)", "node reads max/mean", "plan_digest CPU s", "detail record B", "reconcile recv/rank B")
 
 
 def table_row(model: str, world: int, res) -> str:
@@ -303,7 +307,7 @@ def table_row(model: str, world: int, res) -> str:
     if isinstance(res, str):
         return f"| {model} | {world} | " + " | ".join([res] + [""] * (len(COLUMNS) - 4) + [received]) + " |"
     cells = [res["tensors"], f"{res['parse_s']:.2f}", f"{res['plan_s']:.2f}", f"{res['peak_mb']:.0f}", res["buckets"], res["p2p"],
-             res["bcast"], res["fanout"], f"{res['digest_s']:.2f}", res["record"], received]
+             res["bcast"], res["fanout"], f"{res['balance']:.2f}", f"{res['digest_s']:.2f}", res["record"], received]
     return f"| {model} | {world}" + (f" (ep {res['ep']})" if res["ep"] > 1 else "") + " | " + \
         " | ".join(f"{c:,}" if isinstance(c, int) else c for c in cells) + " |"
 

@@ -29,33 +29,48 @@ def span_bytes(span: Span) -> int:
 
 def byte_runs(spans: list[Span], readers: tuple[int, ...], quotas: list[float], cut: bool = False
               ) -> dict[int, list[Span]]:
-    """Split file-ordered spans into contiguous runs, reader i taking about quotas[i] bytes.
+    """Split file-ordered spans into contiguous runs, reader i taking about quotas[i] bytes (see _Cursor)."""
+    runs = {r: [] for r in readers}
+    if len(readers) == 1:
+        runs[readers[0]].extend(spans)
+        return runs
+    place = _Cursor(readers, quotas, cut).place
+    for src, (a, b) in spans:
+        place(src, a, b, runs)
+    return runs
+
+
+class _Cursor:
+    """Where the next file-ordered bytes go: reader i takes about quotas[i] bytes, then the next reader.
 
     Contiguous runs keep each reader's reads sequential inside a file; a big file is split at a span boundary
     when that balances better. cut (between nodes): a span that would overshoot a node's quota by more than a
     sixteenth of it is cut at a row, since one embedding or vocab shard can outweigh a node's share at a
-    thousand nodes, and the job waits for its slowest reader.
-    """
-    runs = {r: [] for r in readers}
-    i, acc, upto = 0, 0, quotas[0] if quotas else 0
-    last = len(readers) - 1
-    for span in spans:
-        src, (a, b) = span
-        row_bytes = src.row_bytes
+    thousand nodes, and the job waits for its slowest reader."""
+
+    def __init__(self, readers: tuple[int, ...], quotas: list[float], cut: bool):
+        self.readers, self.quotas, self.cut = readers, quotas, cut
+        self.i, self.acc, self.upto, self.last = 0, 0, quotas[0] if quotas else 0, len(readers) - 1
+
+    def place(self, src: Source, a: int, b: int, runs: dict) -> None:
+        """Rows [a, b) of src onto runs[reader] (cut in pieces where quotas end, when cutting)."""
+        row_bytes, quotas, last = src.row_bytes, self.quotas, self.last
+        i, acc, upto = self.i, self.acc, self.upto
         while True:
             while i < last and acc >= upto:
                 i += 1
                 upto += quotas[i]
             room = upto - acc
-            at = a + max(1, -(-int(room) // row_bytes))   # rows that fill reader i's quota
-            if not cut or i == last or at >= b or (b - a) * row_bytes - room <= quotas[i] / 16:
+            if not self.cut or i == last or (b - a) * row_bytes - room <= quotas[i] / 16:
                 break
-            runs[readers[i]].append((src, (a, at)))
+            at = a + max(1, -(-int(room) // row_bytes))   # rows that fill reader i's quota
+            if at >= b:
+                break
+            runs[self.readers[i]].append((src, (a, at)))
             acc += (at - a) * row_bytes
             a = at
-        runs[readers[i]].append(span if a == span[1][0] else (src, (a, b)))
-        acc += (b - a) * row_bytes
-    return runs
+        runs[self.readers[i]].append((src, (a, b)))
+        self.i, self.acc, self.upto = i, acc + (b - a) * row_bytes, upto
 
 
 def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozenset]]:
@@ -93,6 +108,7 @@ def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozens
     return segments or [(0, src.rows, frozenset())]
 
 
+SHARED = None   # a segment no node or few nodes alone take: spread over all nodes by their quotas
 MANY = -1   # in a segment's nodes: a group whose members span more than two nodes (its nodes are not listed)
 
 
@@ -109,9 +125,10 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
         return byte_runs([(s, (0, s.rows)) for s in sources], readers, [total / len(readers)] * len(readers))
     by_node = layout.readers_by_node()
     nodes = tuple(by_node)
-    home: dict[int, list[Span]] = {n: [] for n in by_node}
     home_bytes = dict.fromkeys(by_node, 0)
-    shared: list[Span] = []
+    # First pass: where each segment goes (a node, several for a per-node source, or SHARED) and each node's
+    # own bytes; the second places shared rows by the quotas those leave, so every list comes out in file order.
+    routed: list[tuple] = []
     segmented: dict[tuple, list] = {}   # sources with alike shares (an expert's, layer after layer) cut alike
     for s in sources:
         key = (id(s.takers), s.rows)   # interned, and kept alive by the sources
@@ -121,32 +138,39 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
         for a, b, takers in segments:
             if s.per_node:   # each taking node's reader reads these rows for its own ranks
                 for n in takers:
-                    home[n].append((s, (a, b)))
                     home_bytes[n] += (b - a) * s.row_bytes
+                routed.append((s, a, b, tuple(sorted(takers))))
                 continue
             if len(takers) == 1:
                 only = next(iter(takers))
-            elif 1 < len(takers) < len(nodes) and takers <= home.keys():
+            elif 1 < len(takers) < len(nodes) and takers <= home_bytes.keys():
                 # Rows a few nodes take (an expert group across two nodes, a row-parallel expert projection):
                 # read on the least loaded of them per reader, so that node's share never crosses the network.
                 only = min(sorted(takers), key=lambda n: home_bytes[n] / len(by_node[n]))
             else:
                 only = None
-            if only in home:
-                home[only].append((s, (a, b)))
+            if only in home_bytes:
                 home_bytes[only] += (b - a) * s.row_bytes
+                routed.append((s, a, b, only))
             else:
-                shared.append((s, (a, b)))
+                routed.append((s, a, b, SHARED))
     # Each node reads its share (in proportion to its readers): its own rows, topped up with shared ones.
     quota = [max(0.0, total * len(by_node[n]) / len(readers) - home_bytes[n]) for n in nodes]
-    extra = byte_runs(shared, nodes, quota if sum(quota) else [1.0] * len(nodes), cut=True)
-    order = {s.name: i for i, s in enumerate(sources)}
+    spread = _Cursor(nodes, quota if sum(quota) else [1.0] * len(nodes), cut=True).place
+    per_node: dict[int, list[Span]] = {n: [] for n in nodes}
+    for s, a, b, dest in routed:
+        if dest is SHARED:
+            spread(s, a, b, per_node)
+        elif type(dest) is int:
+            per_node[dest].append((s, (a, b)))
+        else:
+            for n in dest:
+                per_node[n].append((s, (a, b)))
     out = {}
     for n in nodes:
-        # Both lists are in file order already; only a node topped up with shared rows needs the merge.
-        spans = merged(sorted(home[n] + extra[n], key=lambda x: (order[x[0].name], x[1])) if extra[n] else home[n])
-        share = (home_bytes[n] + sum([span_bytes(x) for x in extra[n]])) / len(by_node[n])
-        out.update(byte_runs(spans, by_node[n], [share] * len(by_node[n])))
+        spans, mine = merged(per_node[n]), by_node[n]
+        share = sum(map(span_bytes, spans)) / len(mine) if len(mine) > 1 else 0.0
+        out.update(byte_runs(spans, mine, [share] * len(mine)))
     return out
 
 
