@@ -108,7 +108,7 @@ def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozens
     return segments or [(0, src.rows, frozenset())]
 
 
-SHARED = None   # a segment no node or few nodes alone take: spread over all nodes by their quotas
+SHARED = None   # a segment many nodes take (or a node without a reader): spread over all nodes by quota
 MANY = -1   # in a segment's nodes: a group whose members span more than two nodes (its nodes are not listed)
 
 
