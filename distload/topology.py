@@ -228,11 +228,11 @@ def init_process_group(topo: Topology) -> bool:
     # the group forever, destroy_process_group cannot free it, and gloo's worker threads outlive the
     # interpreter - a worker finishing its last op during interpreter shutdown aborts the process
     # ("terminate called without an active exception", SIGABRT after a successful run). Imported before
-    # the group is made, its defaults are None. (A caller that makes its own group imports it first.)
-    import torch.distributed.nn.functional  # noqa: F401
-
+    # the group is made, its defaults are None. A caller that makes its own group imports it first (README):
+    # imported here, after that group exists, it would pin the caller's group.
     if dist.is_initialized():
         return False
+    import torch.distributed.nn.functional  # noqa: F401
     if topo.device.startswith("cuda"):
         torch.cuda.set_device(topo.device)
     timeout = datetime.timedelta(seconds=topo.timeout_s)

@@ -519,8 +519,8 @@ def worker(args) -> int:
     import torch.distributed as dist
 
     # Before the group exists: importing it afterwards pins the group in torch.distributed.nn's default
-    # arguments and the process can abort at exit (distload/__init__.py says why).
-    import distload  # noqa: F401
+    # arguments and the process can abort at exit (topology.init_process_group says why).
+    import torch.distributed.nn.functional  # noqa: F401
 
     logging_quiet()
     torch.set_num_threads(1)

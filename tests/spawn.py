@@ -36,7 +36,7 @@ def _entry(rank, world, port, fn, args, queue, init_group, store_file, backend):
         if init_group:
             # A file store, not TCP: a free port picked here can be taken by a concurrent test before
             # rank 0 binds it, and then ranks rendezvous with a stranger and hang.
-            import torch.distributed.nn.functional  # noqa: F401  (before the group: see distload/__init__.py)
+            import torch.distributed.nn.functional  # noqa: F401  (before the group: see topology.init_process_group)
             options = {}
             if backend == "nccl":
                 import torch

@@ -706,6 +706,7 @@ def _api_rank(rank: int, world: int, path: str, fault: str, out_dir: str) -> Non
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       CUDA_VISIBLE_DEVICES="", DISTLOAD_FAULT=fault)
     import distload
+    import torch.distributed.nn.functional  # noqa: F401  (before the group: see topology.init_process_group)
 
     code, message = 0, "ok"
     try:

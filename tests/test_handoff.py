@@ -252,6 +252,7 @@ def _victim_entry(rank: int, world: int, store_file: str, fn, args, queue) -> No
     import traceback
 
     import torch.distributed as dist
+    import torch.distributed.nn.functional  # noqa: F401  (before the group: see topology.init_process_group)
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       GROUP_RANK="0", CUDA_VISIBLE_DEVICES="")

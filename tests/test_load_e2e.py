@@ -431,3 +431,32 @@ def test_two_nodes_keep_column_rows_on_their_node(dense_checkpoints, tmp_path):
         for r in range(4):
             kept = sum(s.nbytes for s in plan.specs[r].values() if not s.alias_of)
             assert 0 < crossed[r] < 0.25 * kept, (fam, r, crossed[r], kept)  # one big file per node: ~0.5
+
+
+def _load_in_the_callers_group(path: str, store: str) -> tuple[bool, int]:
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    import distload
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        result = distload.load(path, tp=2, progress=False)
+        # Imported after this group exists, torch.distributed.nn would pin it, and gloo can abort at exit.
+        return "torch.distributed.nn.functional" in sys.modules, len(result.params)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_callers_own_group_is_used_and_not_pinned(tmp_path):
+    """A caller that made its own group (without importing torch.distributed.nn first): distload loads in it
+    and does not import the module that would pin it (topology.init_process_group)."""
+    from distload.demo import make_demo_checkpoint
+
+    path = make_demo_checkpoint(tmp_path / "demo")
+    out = run_ranks(2, _load_in_the_callers_group, str(path), str(tmp_path / "store"), init_group=False)
+    assert [pinned for pinned, _ in out] == [False, False], out
+    assert all(n > 0 for _, n in out), out
