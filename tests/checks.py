@@ -137,18 +137,17 @@ def assert_rows_stay_on_their_node(plan) -> None:
     for b in plan.buckets:
         for c in b.chunks:
             src = plan.sources[c.source]
-            taking = [d for d in src.deliveries if clip(d.piece, c.rows) is not None]
-            nodes = {layout.node(d.rank) for d in taking}
+            nodes = {layout.node(d.rank) for d in src.deliveries if clip(d.piece, c.rows) is not None}
             if len(nodes) == 1 and nodes <= reader_nodes:
                 assert nodes == {layout.node(b.reader)}, f"{c}: taken on node {nodes}, read on {layout.node(b.reader)}"
                 continue
             shared += (c.rows[1] - c.rows[0]) * src.row_bytes
             # Rows some but not all nodes take, each group of takers on one node or two neighbours (an expert
             # group over two nodes): read on one of those nodes.
-            spans = {src_group: layout.node(src_group.last) - layout.node(src_group.first)
-                     for src_group in {s.ranks for s in src.shares if clip(s.piece, c.rows) is not None}}
+            widest_group = max(layout.node(s.ranks.last) - layout.node(s.ranks.first)
+                               for s in src.shares if clip(s.piece, c.rows) is not None)
             if 1 < len(nodes) < len({layout.node(r) for r in range(layout.world)}) and nodes <= reader_nodes \
-                    and max(spans.values()) <= 1:
+                    and widest_group <= 1:
                 assert layout.node(b.reader) in nodes, f"{c}: taken on nodes {nodes}, read on {layout.node(b.reader)}"
     # What crosses is at most the shared rows, to each rank of another node.
     nodes = len({layout.node(r) for r in range(layout.world)})

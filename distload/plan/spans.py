@@ -27,14 +27,14 @@ def span_bytes(span: Span) -> int:
     return (b - a) * src.row_bytes
 
 
-def byte_runs(spans: list[Span], readers: tuple[int, ...], quotas: list[float], cut: bool = False
-              ) -> dict[int, list[Span]]:
-    """Split file-ordered spans into contiguous runs, reader i taking about quotas[i] bytes (see _Cursor)."""
+def byte_runs(spans: list[Span], readers: tuple[int, ...], quotas: list[float]) -> dict[int, list[Span]]:
+    """Split file-ordered spans into contiguous runs at span boundaries, reader i taking about quotas[i] bytes
+    (see _Cursor)."""
     runs = {r: [] for r in readers}
     if len(readers) == 1:
         runs[readers[0]].extend(spans)
         return runs
-    place = _Cursor(readers, quotas, cut).place
+    place = _Cursor(readers, quotas, cut=False).place
     for src, (a, b) in spans:
         place(src, a, b, runs)
     return runs
