@@ -118,7 +118,8 @@ def cmd_load(args) -> int:
 def cmd_inspect(args) -> int:
     from .inspect_cmd import describe_plan, inspect_load
 
-    inspection = inspect_load(args.path, load_options(args), world=args.world, local_world=args.local_world)
+    inspection = inspect_load(args.path, load_options(args), world=args.world, local_world=args.local_world,
+                              rank=args.rank)
     print(describe_plan(inspection.plan, inspection.route, rank=args.rank, per_rank=args.per_rank or None,
                         inspection=inspection))
     return 0

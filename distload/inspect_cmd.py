@@ -1,8 +1,9 @@
 """`distload inspect`: the plan without a process group — what a rank will hold and move, and the job's totals.
 
-It plans exactly as one rank of the job would (the plan is the same on every rank: one rank's cost is the
-job's planning cost per rank), timing the planning and its peak memory. The per-rank table is printed for
-small worlds (or on request): a line per rank costs a pass over the buckets each.
+It plans exactly as one rank of the job would (`--rank`: its node's part of the plan, build_plan's rank mode),
+timing that planning and its peak memory; the job's totals and the per-rank table come from the whole job's
+plan, made after (untimed). The per-rank table is printed for small worlds (or on request): a line per rank
+costs a pass over the buckets each.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ PER_RANK_TABLE_UPTO = 16   # worlds up to this many ranks get the per-rank table
 
 @dataclass(frozen=True)
 class Inspection:
-    plan: LoadPlan
+    plan: LoadPlan                  # the whole job's
     route: Route
-    plan_seconds: float = 0.0       # CPU seconds of planning (what every rank spends)
-    plan_peak_bytes: int = 0        # growth of this process's peak RSS while planning
+    plan_seconds: float = 0.0       # CPU seconds of the rank's planning (what it spends in the load)
+    plan_peak_bytes: int = 0        # growth of this process's peak RSS while the rank planned
     mtp: dict | None = None         # the report's `mtp`: the checkpoint's MTP layers, loaded or skipped
+    rank_plan: LoadPlan | None = None   # what the rank plans in the load (None: the whole plan)
+    rank: int = 0
 
 
 def _rss_bytes() -> int:
@@ -41,19 +44,28 @@ def _rss_bytes() -> int:
 
 
 def inspect_load(path: str, options: LoadOptions, world: int | None = None,
-                 local_world: int | None = None) -> Inspection:
+                 local_world: int | None = None, rank: int = 0) -> Inspection:
     """The plan and route of a load of `path` by `options` on `world` ranks (default tp), `local_world` per
-    node (default all on one node), by the same source and route decision as the load."""
+    node (default all on one node), by the same source and route decision as the load; `rank`'s planning
+    as the load does it (timed), then the whole job's plan."""
     world = world or (options.tp or 1) * options.pp
+    _check_rank(rank, world)
     layout = layout_for(world, local_world or world, options)
     source = source_for(path, options)
     found = source.discover()
     rss0, cpu0 = _rss_bytes(), time.process_time()
-    plan = source.plan(found, layout)
+    mine = source.plan(found, layout, rank=rank)
     seconds = time.process_time() - cpu0
     peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
-    route, _ = decide_route(source, found, plan, options.device or "cpu", 0, options)
-    return Inspection(plan, route, seconds, peak, source.report_extra(found, plan).get("mtp"))
+    plan = source.plan(found, layout) if mine.planned_for is not None else mine
+    route, _ = decide_route(source, found, plan, options.device or "cpu", rank, options)
+    return Inspection(plan, route, seconds, peak, source.report_extra(found, plan).get("mtp"),
+                      rank_plan=mine, rank=rank)
+
+
+def _check_rank(rank: int, world: int) -> None:
+    if not 0 <= rank < world:
+        raise DistloadError(f"--rank {rank}: the world has ranks 0..{world - 1}")
 
 
 def rank_traffic(plan: LoadPlan, rank: int) -> dict:
@@ -109,8 +121,7 @@ def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | 
     or per_rank) a table: per rank, params held, bytes kept, read, received, experts hosted (global ids,
     the same in every MoE layer) and the bytes of expert params among those kept."""
     layout = plan.layout
-    if not 0 <= rank < layout.world:
-        raise DistloadError(f"--rank {rank}: the world has ranks 0..{layout.world - 1}")
+    _check_rank(rank, layout.world)
     totals = job_totals(plan)
     lines = [f"family {plan.family}: world {layout.world}, tp {layout.tp}, "
              + (f"pp {layout.pp}, " if layout.pp > 1 else "") + f"ep {layout.ep}, "
@@ -131,9 +142,12 @@ def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | 
                      f"({crossing / max(1, plan.checkpoint_bytes):.0%} of the checkpoint)")
     lines.append(f"job: {totals['p2p_messages']:,} point-to-point messages, {totals['broadcasts']:,} broadcasts, "
                  f"{totals['fanouts']:,} fan-outs to replicas, {totals['bytes_read']:,} bytes read from storage")
-    mine = rank_traffic(plan, rank)
-    cost = (f"planned in {inspection.plan_seconds:.2f} CPU s, peak +{inspection.plan_peak_bytes / 2**20:.0f} MiB; "
-            if inspection is not None else "")
+    own = inspection.rank_plan if inspection is not None and inspection.rank == rank else None
+    mine = rank_traffic(own or plan, rank)   # the rank's plan gives the same (tests/test_rank_plans.py)
+    cost = (f"planned in {inspection.plan_seconds:.2f} CPU s, peak +{inspection.plan_peak_bytes / 2**20:.0f} MiB"
+            + (f" ({len(own.sources):,} sources, {len(own.buckets):,} buckets of its node's part); "
+               if own is not None and own.planned_for is not None else "; ")
+            if own is not None else "")
     lines.append(f"rank {rank}: {cost}{mine['messages']:,} messages ({mine['sends']:,} sends, {mine['receives']:,} "
                  f"receives, {mine['broadcasts']:,} broadcasts, {mine['fanouts']:,} fan-outs); reads "
                  f"{mine['bytes_read']:,} B, sends {mine['bytes_sent']:,} B, receives {mine['bytes_received']:,} B, "

@@ -132,8 +132,9 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     clock.lap("discover")
 
     def plan_within_timeout():
+        # Each rank plans its node's part (build_plan's rank mode); a sharded save's manifest names every source.
         with within(options.timeout_s, "planning"):
-            return source.plan(found, topo.layout)
+            return source.plan(found, topo.layout, rank=None if options.save_sharded else rank)
 
     plan = run_phase("planning", plan_within_timeout, digest=plan_digest)
     specs = plan.specs[rank]

@@ -5,7 +5,8 @@ same for every source; a source answers its few questions:
                                      other ranks get it as metadata and never open a header
     early_fetch(found, layout)       rank 0, before the rendezvous: ask storage for the first bytes
     origin(found)                    root, config.json, bytes, where a --save-sharded of it came from
-    plan(found, layout)              the LoadPlan for this job's layout (pure)
+    plan(found, layout, rank)        the LoadPlan for this job's layout (pure); rank: what that rank's node needs
+                                     (None: the whole job)
     before_transfer(found, plan, rank, clock)  collective checks before a byte moves; report fields
     copy_blocker(found, plan)        why its bytes cannot be copied from its files as they are (None: they can)
     open_reader(found, plan, rank, strategy, exact)  the reader of its files
@@ -52,7 +53,7 @@ class Source(Protocol):
     def discover(self): ...
     def early_fetch(self, found, layout): ...
     def origin(self, found) -> Origin: ...
-    def plan(self, found, layout): ...
+    def plan(self, found, layout, rank: int | None = None): ...
     def before_transfer(self, found, plan, rank: int, clock) -> dict: ...
     def copy_blocker(self, found, plan) -> str | None: ...
     def open_reader(self, found, plan, rank: int, strategy: str, exact: bool): ...
@@ -93,12 +94,12 @@ class CheckpointSource:
     def origin(self, found) -> Origin:
         return Origin(str(found.root), found.config, found.total_bytes, str(found.root))
 
-    def plan(self, found, layout):
+    def plan(self, found, layout, rank: int | None = None):
         options = self.options
         return build_plan(found.tensors, found.config, rules_for(found.config, options.config, options.mtp),
                           layout,
                           strict=options.strict, staging_bytes=options.staging_bytes or DEFAULT_STAGING_BYTES,
-                          quantize=options.quantize, dequantize=options.dequantize)
+                          quantize=options.quantize, dequantize=options.dequantize, rank=rank)
 
     def before_transfer(self, found, plan, rank: int, clock) -> dict:
         if not self.options.verify_checksums:
@@ -110,7 +111,7 @@ class CheckpointSource:
         return {}
 
     def copy_blocker(self, found, plan) -> str | None:
-        if any(is_legacy_file(src.file) for src in plan.sources.values()):
+        if any(is_legacy_file(f) for f in found.files):   # the job's files: a rank's plan lacks other nodes' own
             return "torch.load files are unpickled whole"
         if self.options.verify_checksums:  # direct copies bypass read_into, where the readers hash
             return "--verify-checksums hashes the bytes as the readers read them"

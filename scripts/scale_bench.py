@@ -3,8 +3,9 @@
 Writes sparse safetensors checkpoints (real headers: the published tensor names, dtypes, shapes and file
 count; data regions left as holes, so a 405B checkpoint costs a few MB of disk) and a real config.json,
 then, per (model, world) in a fresh subprocess with a time and memory limit, runs what one rank runs
-before its first byte moves: discover + rules_for (the "parse" column), build_plan (the "plan" column),
-plan_digest. Layout: 8 ranks per node, one reader per node, tp 8, the other ranks data-parallel replicas;
+before its first byte moves: discover + rules_for (the "parse" column), build_plan for that rank (the "plan"
+column: rank mode, its node's part of the job, as the load plans), plan_digest. The job's buckets and the
+node read balance come from the whole job's plan, made after (untimed). Layout: 8 ranks per node, one reader per node, tp 8, the other ranks data-parallel replicas;
 MoE models add ep = world / 8 (at most the number of experts). Prints a markdown table (BENCHMARKS.md,
 "Scale: planning one rank").
 
@@ -243,20 +244,25 @@ def measure(model: str, world: int, rank: int, cache: Path, quantize: str | None
     rules = rules_for(index.config)
     cpu_parse = time.process_time() - cpu0
     cpu0 = time.process_time()
-    plan = build_plan(index.tensors, index.config, rules, layout, quantize=quantize)
+    plan = build_plan(index.tensors, index.config, rules, layout, quantize=quantize, rank=rank)
     cpu_plan = time.process_time() - cpu0
     peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
     cpu0 = time.process_time()
     plan_digest(plan)
     cpu_digest = time.process_time() - cpu0
     traffic = rank_messages(plan, rank)
+    record = detail_record_bytes(plan, rank)
+    rank_sources, rank_buckets = len(plan.sources), len(plan.buckets)
+    if plan.planned_for is not None:
+        plan = build_plan(index.tensors, index.config, rules, layout, quantize=quantize)   # the job's
     read = {}
     for b in plan.buckets:   # the job waits for its slowest node: its bytes read against the mean
         read[layout.node(b.reader)] = read.get(layout.node(b.reader), 0) + b.read_bytes
     balance = max(read.values()) * len(read) / sum(read.values())
-    return dict(balance=balance, tensors=len(index.tensors), parse_s=cpu_parse, plan_s=cpu_plan, peak_mb=peak / 1e6, buckets=len(plan.buckets),
+    return dict(balance=balance, tensors=len(index.tensors), parse_s=cpu_parse, plan_s=cpu_plan, peak_mb=peak / 1e6,
+                buckets=len(plan.buckets), rank_sources=rank_sources, rank_buckets=rank_buckets,
                 p2p=traffic["sends"] + traffic["receives"], bcast=traffic["broadcasts"], fanout=traffic["fanouts"],
-                record=detail_record_bytes(plan, rank), digest_s=cpu_digest, ep=layout.ep)
+                record=record, digest_s=cpu_digest, ep=layout.ep)
 
 
 def _rss_now() -> int:
@@ -296,8 +302,10 @@ def _child_rss_mb(pid: int) -> float:
 
 
 # "parse s": discover + rules_for (reading the headers and config.json); "plan CPU s": build_plan alone, the
-# planning the issue bounds; the peak covers both (RSS high-water mark over the process's start).
-COLUMNS = ("model", "world", "tensors", "parse s", "plan CPU s", "parse+plan peak MB", "buckets", "p2p messages (rank)",
+# planning the issue bounds; the peak covers both (RSS high-water mark over the process's start). "rank's
+# sources", "rank's buckets": what its node's part of the plan holds; "buckets": the job's.
+COLUMNS = ("model", "world", "tensors", "parse s", "plan CPU s", "parse+plan peak MB", "rank's sources", "rank's buckets",
+           "buckets", "p2p messages (rank)",
            "broadcasts (rank)", "fan-outs (rank)", "node reads max/mean", "plan_digest CPU s", "detail record B", "reconcile recv/rank B")
 
 
@@ -306,7 +314,9 @@ def table_row(model: str, world: int, res) -> str:
     received = f"{world * reconcile.SUMMARY_BYTES:,}"
     if isinstance(res, str):
         return f"| {model} | {world} | " + " | ".join([res] + [""] * (len(COLUMNS) - 4) + [received]) + " |"
-    cells = [res["tensors"], f"{res['parse_s']:.2f}", f"{res['plan_s']:.2f}", f"{res['peak_mb']:.0f}", res["buckets"], res["p2p"],
+    cells = [res["tensors"], f"{res['parse_s']:.2f}", f"{res['plan_s']:.2f}", f"{res['peak_mb']:.0f}", res["rank_sources"],
+             res["rank_buckets"],
+             res["buckets"], res["p2p"],
              res["bcast"], res["fanout"], f"{res['balance']:.2f}", f"{res['digest_s']:.2f}", res["record"], received]
     return f"| {model} | {world}" + (f" (ep {res['ep']})" if res["ep"] > 1 else "") + " | " + \
         " | ".join(f"{c:,}" if isinstance(c, int) else c for c in cells) + " |"

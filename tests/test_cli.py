@@ -154,6 +154,10 @@ def test_two_emulated_nodes_read_once_per_job(dense_checkpoints, tmp_path):
     reads = [x["bytes_read"] for x in r["per_rank"]]
     assert reads[1] == reads[3] == 0 and reads[0] > 0 and reads[2] > 0
     assert r["storage_bytes_read"] == r["checkpoint_bytes"]  # the job as a whole reads each byte once
+    # rank 0 planned its node's part: the other node's column-parallel rows are not among its buckets
+    import distload
+    job = distload.inspect(dense_checkpoints["llama"], tp=4, world=4, local_world=2)
+    assert r["plan_part"]["rank"] == 0 and 0 < r["plan_part"]["buckets"] < len(job.buckets), (r["plan_part"], len(job.buckets))
 
 
 def test_process_group_is_freed_even_if_torch_distributed_nn_is_imported_later():

@@ -406,7 +406,9 @@ def _load_as_two_nodes(checkpoints: dict, moe_path: str) -> dict:
     os.environ.update(LOCAL_WORLD_SIZE="4", GROUP_RANK="0", LOCAL_RANK=str(rank))
     one = distload.load(moe_path, tp=4, ep=2, staging_mib=1, progress=False)
     problems += differences(two.params, one.params, f"mixtral ep2 2 nodes vs 1 node rank{rank}")
-    return {"problems": problems, "reports": reports}
+    # Each rank planned its node's part: the other node's experts are not in its plan (plan/build.py rank mode).
+    return {"problems": problems, "reports": reports, "part": (two.plan.planned_for, len(two.plan.sources)),
+            "one_node_part": (one.plan.planned_for, len(one.plan.sources))}
 
 
 def test_two_nodes_keep_column_rows_on_their_node(dense_checkpoints, tmp_path):
@@ -419,6 +421,9 @@ def test_two_nodes_keep_column_rows_on_their_node(dense_checkpoints, tmp_path):
     results = run_ranks(4, _load_as_two_nodes, dense_checkpoints, moe_path)
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
+    moe_sources = len(distload.inspect(moe_path, tp=4, ep=2, world=4, local_world=2).sources)
+    assert [r["part"][0] for r in results] == [0, 1, 2, 3], results
+    assert all(r["part"][1] < moe_sources and r["one_node_part"] == (None, moe_sources) for r in results), results
     for fam, report in results[0]["reports"].items():
         path = moe_path if fam == "mixtral" else dense_checkpoints[fam]
         assert report["ok"] and report["readers"] == [0, 2], fam

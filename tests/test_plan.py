@@ -185,8 +185,10 @@ def assert_each_byte_read_once(plan) -> None:
 
 
 def assert_items_consistent(plan) -> None:
+    # Numbered in posting order: densely below node_own_from, then each reader's node-own ones (buckets.py).
+    indices = [x.index for x in plan.buckets]
+    assert indices == sorted(set(indices)) and indices[:plan.node_own_from] == list(range(plan.node_own_from))
     for b in plan.buckets:
-        assert [x.index for x in plan.buckets].index(b.index) == b.index
         for rank in range(plan.layout.world):
             items = plan.items(b, rank)
             if b.broadcast:
@@ -440,11 +442,15 @@ def test_multiple_readers(ckpt, readers):
     biggest = max(s.nbytes for s in plan.sources.values())
     for r, n in per_reader.items():
         assert abs(n - total / len(readers)) <= biggest, (per_reader, total, biggest)
-    # Each reader's chunks, in bucket order, are in file order (sequential reads).
+    # Each reader's chunks, in bucket order, are in file order (sequential reads): its job-wide buckets, then
+    # (several nodes reading) those of the rows its node alone takes.
+    assert plan.node_own_from > 0 if len(readers) > 1 else plan.node_own_from == len(plan.buckets)
     for r in readers:
-        keys = [(plan.sources[c.source].file, plan.sources[c.source].offset, c.rows)
-                for b in plan.buckets if b.reader == r for c in b.chunks]
-        assert keys == sorted(keys)
+        for own in (False, True):
+            keys = [(plan.sources[c.source].file, plan.sources[c.source].offset, c.rows)
+                    for b in plan.buckets if b.reader == r and (b.index >= plan.node_own_from) == own
+                    for c in b.chunks]
+            assert keys == sorted(keys)
     # Readers' buckets are interleaved: the first len(readers) buckets come from distinct readers.
     assert len({b.reader for b in plan.buckets[:len(readers)]}) == len(readers)
     assert_each_byte_read_once(plan)
@@ -473,11 +479,15 @@ def test_two_nodes_keep_their_rows_on_their_node(ckpt, family, readers):
     elif len(readers) % 2 == 0:  # node 1 reads its own column-parallel rows: it receives well under what it keeps
         assert sum(cross_node_bytes(plan)[2:]) < 0.25 * sum(s.nbytes for r in (2, 3) for s in plan.specs[r].values()
                                                               if not s.alias_of)
-    # Each reader's chunks, in bucket order, are in file order (sequential reads).
+    # Each reader's chunks, in bucket order, are in file order (sequential reads): its job-wide buckets, then
+    # (several nodes reading) those of the rows its node alone takes.
+    assert plan.node_own_from > 0 if len(readers) > 1 else plan.node_own_from == len(plan.buckets)
     for r in readers:
-        keys = [(plan.sources[c.source].file, plan.sources[c.source].offset, c.rows)
-                for b in plan.buckets if b.reader == r for c in b.chunks]
-        assert keys == sorted(keys)
+        for own in (False, True):
+            keys = [(plan.sources[c.source].file, plan.sources[c.source].offset, c.rows)
+                    for b in plan.buckets if b.reader == r and (b.index >= plan.node_own_from) == own
+                    for c in b.chunks]
+            assert keys == sorted(keys)
 
 
 @pytest.mark.parametrize("world,tp,local_world", [(8, 4, 2), (6, 2, 2), (8, 4, 4), (4, 4, 1)])

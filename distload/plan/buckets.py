@@ -114,14 +114,26 @@ def _per_group(taken: list[tuple]) -> tuple:
     return tuple(sorted(groups.items()))
 
 
-def interleaved(per_reader: dict[int, list[tuple]], readers, world: int) -> tuple[Bucket, ...]:
+def interleaved(per_reader: dict[int, list[tuple]], readers, world: int, node_own: dict | None = None
+                ) -> tuple[Bucket, ...]:
     """Number the readers' buckets (buckets_for's), taking one from each reader in turn, so that every reader
-    has work in flight at the same time."""
+    has work in flight at the same time. node_own: per reader, the buckets of its node's own rows (spans.py's
+    second phase), after all the others: the k-th of the reader at position p is number first + k x readers + p,
+    which every rank agrees on without planning other nodes' own buckets (a rank's plan has its node's only)."""
     buckets = []
     for group in itertools.zip_longest(*(per_reader[r] for r in readers)):
         for reader, b in zip(readers, group):
             if b is not None:
-                bcast, chunks, read, groups = b
-                buckets.append(made(Bucket, index=len(buckets), reader=reader, broadcast=bcast, chunks=chunks,
-                                    read_bytes=read, groups=groups, world=world))
+                buckets.append(_bucket(len(buckets), reader, b, world))
+    if node_own:
+        first, n = len(buckets), len(readers)
+        numbered = sorted((first + k * n + p, reader) for p, reader in enumerate(readers)
+                          for k in range(len(node_own.get(reader, ()))))
+        buckets += [_bucket(i, reader, node_own[reader][(i - first) // n], world) for i, reader in numbered]
     return tuple(buckets)
+
+
+def _bucket(index: int, reader: int, planned: tuple, world: int) -> Bucket:
+    bcast, chunks, read, groups = planned
+    return made(Bucket, index=index, reader=reader, broadcast=bcast, chunks=chunks, read_bytes=read, groups=groups,
+                world=world)

@@ -1,13 +1,16 @@
 """The load plan: a pure function (checkpoint index, rules, config, layout) -> LoadPlan.
 
 Every rank computes the same plan from the same metadata, so no per-tensor control message ever
-travels: a receiver knows from the plan which bytes arrive, in which order, and where they go. All
+travels: a receiver knows from the plan which bytes arrive, in which order, and where they go. In a load
+a rank plans the job-wide part and its own node's (rank mode, spans.py): the rows another node alone takes
+are that node's business, so a rank's planning grows with what its node holds, not with the job. All
 validation (names, shapes, dtypes, divisibility) happens here, before any byte is read.
 """
 
 from __future__ import annotations
 
 import collections
+import operator
 
 from .. import names
 from ..rules import FamilyRules
@@ -20,24 +23,26 @@ from .digest import inputs_digest
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_placement
 from .layouts import Planned, layouts_for_target, relayout
-from .spans import reader_spans
+from .spans import Elsewhere, away, block_nodes, reader_spans
 from .targets import expand_targets, match_checkpoint
 from .ranks import RankSpecs, RankValues
 from ..dtypes import itemsize
 from .expert_layouts import lazily_shared
 from .shard import view2d
 from .source_shares import SourceShares, share_takers, takers_broadcast
-from .types import LoadPlan, ParamSpec, Share, Source
+from .types import LoadPlan, ParamSpec, Share, Source, interned
 
 
 @collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
 def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
                strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, quantize: str | None = None,
-               dequantize: bool = False) -> LoadPlan:
-    """Plan the whole load. `tensors` maps checkpoint names to entries (name, file, offset, dtype, shape).
+               dequantize: bool = False, rank: int | None = None) -> LoadPlan:
+    """Plan the load. `tensors` maps checkpoint names to entries (name, file, offset, dtype, shape).
 
     quantize ('fp8' | 'fp8-block'): quantize the linear weights on each rank as they land; dequantize:
-    turn an FP8 checkpoint's weights into BF16 (see quant_steps.py).
+    turn an FP8 checkpoint's weights into BF16 (see quant_steps.py). rank: plan what that rank needs (the
+    load's plan: the job-wide buckets and its block's own, spans.py), not the rows other blocks alone take and
+    read; None: the whole job (tools, tests, sharded saves).
     """
     check_loop_bounds(tensors, rules, config)
     digest = inputs_digest(tensors, config, rules, layout, strict=strict, staging_bytes=staging_bytes,
@@ -89,10 +94,11 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     shares = _shares(planned, layout)
     pipeline.check_every_source_used(claimed, shares, stages)
     per_node = pipeline.split_by_node(shares, stages)
-    sources = _sources(shares, index, layout.world, per_node)  # index: flat 4-bit tensors as their 2-D views
-    runs = reader_spans(sources, layout)
-    buckets = interleaved({r: buckets_for(r, runs[r], layout.world, staging_bytes, layout.same_node)
-                           for r in layout.readers}, layout.readers, layout.world)
+    home = layout.node(rank) // block_nodes(layout) if rank is not None and layout.reads_by_node else None
+    # index: flat 4-bit tensors as their 2-D views
+    planned_sources = _sources(shares, index, layout, per_node, home)
+    sources = [s for s in planned_sources if type(s) is not Elsewhere]
+    buckets, node_own_from = _buckets(planned_sources, layout, staging_bytes, home)
     notes = []
     if match.ignored:
         notes.append(f"ignored by rule: {names.describe(match.ignored)}")
@@ -101,9 +107,25 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     return LoadPlan(family=rules.name, layout=layout, specs=final if isinstance(final, RankSpecs) else tuple(final),
                     sources={s.name: s for s in sources},
                     buckets=buckets, missing=tuple(match.missing), unexpected=tuple(match.unexpected),
-                    ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in sources), notes=tuple(notes),
+                    ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in planned_sources),
+                    notes=tuple(notes),
                     staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization,
-                    digest=digest)
+                    digest=digest, planned_for=None if home is None else rank, node_own_from=node_own_from)
+
+
+def _buckets(sources: list, layout: Layout, staging_bytes: int, home: int | None) -> tuple[tuple, int]:
+    """The readers' buckets: the job-wide ones, then the blocks' own (only block `home`'s, in a rank's plan); and
+    the number of the first block-own bucket (the job-wide ones are numbered below it)."""
+    runs, own = reader_spans(sources, layout)
+    per_block = block_nodes(layout)
+
+    def bucketed(reader, spans):
+        return buckets_for(reader, spans, layout.world, staging_bytes, layout.same_node)
+    job_wide = {r: bucketed(r, runs[r]) for r in layout.readers}
+    buckets = interleaved(job_wide, layout.readers, layout.world,
+                          {r: bucketed(r, spans) for r, spans in own.items()
+                           if home is None or layout.node(r) // per_block == home})
+    return buckets, sum(map(len, job_wide.values()))
 
 
 def as_rank_values(values, layout: Layout) -> RankValues:
@@ -146,13 +168,19 @@ def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:
                                                            base.local_shape, base.padding, alias_of=to))
 
 
-def _sources(shares: dict[str, list], tensors: dict, world: int, per_node: frozenset = frozenset()) -> list[Source]:
+_FILE_ORDER = operator.attrgetter("file", "offset")
+
+
+def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: frozenset = frozenset(),
+             home: int | None = None) -> list:
     """The sources that anyone receives, in file order (file, then offset). Runs once per checkpoint tensor:
-    geometry is worked out once per (dtype, shape), broadcast once per distinct takers."""
-    sources, geometries, broadcasts = [], {}, {}
-    planned, of_layouts = Source.planned, SourceShares.of_layouts
-    for name in sorted(shares, key=lambda n: (tensors[n].file, tensors[n].offset)):
-        e = tensors[name]
+    geometry is worked out once per (dtype, shape), broadcast once per distinct takers. home (a rank's plan):
+    a source only other nodes take and read (spans.away) is an Elsewhere, made without its shares."""
+    sources, geometries, broadcasts, elsewhere = [], {}, {}, {}
+    planned, of_layouts, world = Source.planned, SourceShares.of_layouts, layout.world
+    reader_nodes, per_block = frozenset(layout.reader_nodes), block_nodes(layout)
+    entries = list(map(tensors.__getitem__, shares))
+    for _, name, e in sorted(zip(map(_FILE_ORDER, entries), shares, entries)):   # file order; ties: by name
         ss = shares[name]
         shape = tuple(e.shape)
         geometry = geometries.get((e.dtype, shape))
@@ -164,13 +192,25 @@ def _sources(shares: dict[str, list], tensors: dict, world: int, per_node: froze
         lone = ss[0] if len(ss) == 1 else None
         if lone is not None and type(lone) is not Share:   # one param's layouts make the shares (expert sources)
             takers = lone.takers(name, isz)
-            ss = of_layouts(name, lone, takers)
+            ss = None
         elif type(ss[0]) is not Share or not all(type(s) is Share for s in ss):   # some layouts make their shares
             ss = SourceShares(name, _runs_of_shares(ss), isz)
             takers = ss.takers
         else:
             ss = tuple(ss)
-            takers = share_takers(ss, isz)
+            takers = interned(share_takers(ss, isz))
+        twice = name in per_node if per_node else False
+        if home is not None and not twice:
+            key = (id(takers), rows, row_bytes)   # the memo holds the takers: ids stay unique
+            known = elsewhere.get(key)
+            if known is None:
+                known = elsewhere[key] = (takers, away(takers, rows, row_bytes, layout.local_world, reader_nodes, per_block,
+                                                           home))
+            if known[1] is not None:
+                sources.append(known[1])
+                continue
+        if ss is None:
+            ss = of_layouts(name, lone, takers)
         if type(ss) is tuple:
             broadcast = takers_broadcast(takers, rows, row_bytes, world)
         else:
@@ -178,7 +218,6 @@ def _sources(shares: dict[str, list], tensors: dict, world: int, per_node: froze
             broadcast = broadcasts.get(key)
             if broadcast is None:
                 broadcast = broadcasts[key] = takers_broadcast(takers, rows, row_bytes, world)
-        twice = name in per_node if per_node else False
         sources.append(planned(name, e.file, e.offset, e.dtype, shape, ss, broadcast and not twice, twice,
                                geometry[:3], takers))
     return sources

@@ -8,11 +8,20 @@ over two nodes) are read by the least loaded of those nodes; rows every node tak
 tensors, replicated ones) are spread over the nodes to even out the bytes each node reads. Every byte is still
 read once by the job, except a source marked per_node (a tied embedding several pipeline stages hold), which
 each node that takes it reads for its own ranks.
+
+Two phases. Rows that only one block's ranks take (a block: a node, or the nodes an expert group spans), each
+rank alone (no replica to fan out to), are the block's own business: read on the node that takes them (or
+the least loaded of the block's nodes that do) after the job-wide rows, as buckets only the block's ranks
+plan. build.py's rank mode skips the sources other blocks own (`away`, an Elsewhere keeping their bytes for
+the quotas), so a rank's planning grows with its block's experts and shards, not with the job. Every other
+row is job-wide: every rank plans it, since where it is read depends on all nodes' bytes.
 """
 
 from __future__ import annotations
 
 import operator
+
+from typing import NamedTuple
 
 from ..topology import Layout
 from .types import Source
@@ -73,14 +82,33 @@ class _Cursor:
         self.i, self.acc, self.upto = i, acc + (b - a) * row_bytes, upto
 
 
+class Elsewhere(NamedTuple):
+    """A source that other nodes alone take and read, in place of its Source in a rank's plan: per row segment,
+    the nodes that take it and its bytes (what the job-wide quotas and the few-nodes choices count)."""
+    segments: tuple[tuple[frozenset, int], ...]
+    nbytes: int
+
+
+def block_nodes(layout: Layout) -> int:
+    """Nodes per block: one node, or the nodes an expert group spans (consecutive from node 0), so that an
+    expert's rows are its group's own. Rows that only one block's ranks take, each alone, are the block's own
+    (the module docstring); any partition is correct, this one keeps the most rows out of other blocks' plans."""
+    span = layout.expert_group_size if layout.ep > 1 else 1
+    return max(1, -(-span // layout.local_world)) if layout.local_world else 1
+
+
 def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozenset]]:
     """The source's rows cut where the set of nodes taking them changes: (first row, end row, nodes). A group
     of replicas on several nodes counts as its first and last member's nodes (all that matters is whether
     one node alone takes the rows, and which few nodes do: MANY marks groups over more nodes).
     `local_world`: ranks per node (torchrun numbers ranks node by node)."""
-    takers = src.takers
+    return segments_of(src.takers, src.rows, local_world)
+
+
+def segments_of(takers: tuple, rows: int, local_world: int) -> list[tuple[int, int, frozenset]]:
+    """node_segments of a source's takers and rows."""
     if not takers:
-        return [(0, src.rows, frozenset())]
+        return [(0, rows, frozenset())]
     lw = local_world or (1 << 62)   # 0: one node (topology.Layout.node)
     # Nodes grow with ranks, so one node holds every first and last member iff it holds the lowest and highest.
     groups = [t[3] for t in takers]
@@ -90,8 +118,7 @@ def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozens
     else:
         high = max(g.last for g in groups) // lw
     if low == high:  # an expert on its host node, say
-        return [(0, src.rows, frozenset((low,)))]
-    rows = src.rows
+        return [(0, rows, frozenset((low,)))]
     cuts = sorted({0, rows} | {r for r0, r1, _, _ in takers for r in (r0, r1) if 0 < r < rows})
     starts = sorted((r0, r1, n) for r0, r1, _, g in takers for n in _nodes_named(g.first // lw, g.last // lw))
     segments, active, k = [], [], 0
@@ -105,7 +132,34 @@ def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozens
             segments[-1] = (segments[-1][0], b, nodes)
         else:
             segments.append((a, b, nodes))
-    return segments or [(0, src.rows, frozenset())]
+    return segments or [(0, rows, frozenset())]
+
+
+def unreplicated(takers: tuple) -> bool:
+    """Does each rank that takes rows of the source take them alone (no group of replicas to fan out to)?"""
+    return max((t[3] for t in takers), key=_COUNT)[2] == 1 if takers else False
+
+
+def away(takers: tuple, rows: int, row_bytes: int, local_world: int, reader_nodes, per_block: int, home: int):
+    """Elsewhere, when every row segment of the source is some block's own (see the module docstring) and none
+    is block `home`'s: a rank of that block plans nothing of it. None: it plans the source."""
+    if not unreplicated(takers):
+        return None
+    segments = []
+    for a, b, nodes in segments_of(takers, rows, local_world):
+        block = _own_block(nodes, reader_nodes, per_block)
+        if block is None or block == home:
+            return None
+        segments.append((nodes, (b - a) * row_bytes))
+    return Elsewhere(tuple(segments), rows * row_bytes)
+
+
+def _own_block(nodes: frozenset, reader_nodes, per_block: int) -> int | None:
+    """The block whose own rows these are (nodes of one block, each with a reader), or None."""
+    if not nodes or MANY in nodes or not nodes <= reader_nodes:
+        return None
+    block = min(nodes) // per_block
+    return block if max(nodes) // per_block == block else None
 
 
 SHARED = None   # a segment many nodes take (or a node without a reader): spread over all nodes by quota
@@ -117,36 +171,52 @@ def _nodes_named(first: int, last: int) -> tuple:
     return (first, last) if last - first <= 1 else (first, last, MANY)
 
 
-def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]:
-    """Per reader, the spans it reads (see the module docstring); `sources` are in file order."""
+def reader_spans(sources: list, layout: Layout) -> tuple[dict[int, list[Span]], dict[int, list[Span]]]:
+    """Per reader, the job-wide spans it reads and its node's own (see the module docstring); `sources` are in
+    file order, Sources or (a rank's plan) Elsewhere for the sources other nodes alone take."""
     readers = layout.readers
     total = sum(s.nbytes for s in sources)
     if not layout.reads_by_node:
-        return byte_runs([(s, (0, s.rows)) for s in sources], readers, [total / len(readers)] * len(readers))
+        return byte_runs([(s, (0, s.rows)) for s in sources], readers, [total / len(readers)] * len(readers)), {}
     by_node = layout.readers_by_node()
-    nodes = tuple(by_node)
+    nodes, per_block = tuple(by_node), block_nodes(layout)
     home_bytes = dict.fromkeys(by_node, 0)
+    reading = home_bytes.keys()
+    own: dict[int, list[Span]] = {n: [] for n in nodes}
+
+    def least_loaded(takers):   # of a few nodes that take rows: its share of them never crosses the network
+        return min(sorted(takers), key=lambda n: home_bytes[n] / len(by_node[n]))
     # First pass: where each segment goes (a node, several for a per-node source, or SHARED) and each node's
     # own bytes; the second places shared rows by the quotas those leave, so every list comes out in file order.
     routed: list[tuple] = []
-    segmented: dict[tuple, list] = {}   # sources with alike shares (an expert's, layer after layer) cut alike
+    segmented: dict[tuple, tuple] = {}   # sources with alike shares (an expert's, layer after layer) cut alike
     for s in sources:
+        if type(s) is Elsewhere:   # as a Source with these segments would count (below)
+            for takers, nbytes in s.segments:
+                home_bytes[next(iter(takers)) if len(takers) == 1 else least_loaded(takers)] += nbytes
+            continue
         key = (id(s.takers), s.rows)   # interned, and kept alive by the sources
-        segments = segmented.get(key)
-        if segments is None:
-            segments = segmented[key] = node_segments(s, layout.local_world)
+        known = segmented.get(key)
+        if known is None:
+            known = segmented[key] = (node_segments(s, layout.local_world), unreplicated(s.takers))
+        segments, alone = known
         for a, b, takers in segments:
             if s.per_node:   # each taking node's reader reads these rows for its own ranks
                 for n in takers:
                     home_bytes[n] += (b - a) * s.row_bytes
                 routed.append((s, a, b, tuple(sorted(takers))))
                 continue
+            if alone and _own_block(takers, reading, per_block) is not None:   # a block's own: its second phase
+                only = next(iter(takers)) if len(takers) == 1 else least_loaded(takers)
+                home_bytes[only] += (b - a) * s.row_bytes
+                own[only].append((s, (a, b)))
+                continue
             if len(takers) == 1:
                 only = next(iter(takers))
-            elif 1 < len(takers) < len(nodes) and takers <= home_bytes.keys():
+            elif 1 < len(takers) < len(nodes) and takers <= reading:
                 # Rows a few nodes take (an expert group across two nodes, a row-parallel expert projection):
                 # read on the least loaded of them per reader, so that node's share never crosses the network.
-                only = min(sorted(takers), key=lambda n: home_bytes[n] / len(by_node[n]))
+                only = least_loaded(takers)
             else:
                 only = None
             if only in home_bytes:
@@ -166,12 +236,17 @@ def reader_spans(sources: list[Source], layout: Layout) -> dict[int, list[Span]]
         else:
             for n in dest:
                 per_node[n].append((s, (a, b)))
-    out = {}
+    job_wide, node_own = {}, {}
     for n in nodes:
-        spans, mine = merged(per_node[n]), by_node[n]
-        share = sum(map(span_bytes, spans)) / len(mine) if len(mine) > 1 else 0.0
-        out.update(byte_runs(spans, mine, [share] * len(mine)))
-    return out
+        job_wide.update(_evenly(merged(per_node[n]), by_node[n]))
+        node_own.update(_evenly(merged(own[n]), by_node[n]))
+    return job_wide, node_own
+
+
+def _evenly(spans: list[Span], readers: tuple[int, ...]) -> dict[int, list[Span]]:
+    """One node's spans over its readers, about equal bytes each."""
+    share = sum(map(span_bytes, spans)) / len(readers) if len(readers) > 1 else 0.0
+    return byte_runs(spans, readers, [share] * len(readers))
 
 
 def merged(spans: list[Span]) -> list[Span]:

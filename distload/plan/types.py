@@ -89,7 +89,7 @@ class Source:
         # takers: per share (first row, end row, bytes per row, group) as plain values, which the chunk loops of
         # buckets.py and spans.py walk for every chunk and share of the whole checkpoint.
         takers = self.shares.takers if isinstance(self.shares, SourceShares) else share_takers(self.shares, isz)
-        self.__dict__.update(rows=rows, row_bytes=cols * isz, nbytes=rows * cols * isz, takers=_interned(takers))
+        self.__dict__.update(rows=rows, row_bytes=cols * isz, nbytes=rows * cols * isz, takers=interned(takers))
 
     @classmethod
     def planned(cls, name: str, file: str, offset: int, dtype: str, shape: tuple, shares, broadcast: bool,
@@ -101,7 +101,7 @@ class Source:
         rows, row_bytes, nbytes = geometry
         return made(cls, name=name, file=file, offset=offset, dtype=dtype, shape=shape, shares=shares,
                     broadcast=broadcast, per_node=per_node, rows=rows, row_bytes=row_bytes, nbytes=nbytes,
-                    takers=takers if isinstance(shares, SourceShares) else _interned(takers))
+                    takers=takers if isinstance(shares, SourceShares) else interned(takers))
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
@@ -118,7 +118,7 @@ def made(cls, **fields):
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _interned(takers: tuple) -> tuple:
+def interned(takers: tuple) -> tuple:
     """One object per distinct takers tuple: sources with alike shares (one expert's projection, layer after
     layer) hold one copy, and lookups keyed by it compare by identity. (A layer's worth of patterns fits.)"""
     return takers
@@ -202,6 +202,12 @@ class LoadPlan:
     post: tuple[tuple, ...] = ()                 # per rank, quant_steps.Step s run after their inputs arrive
     quantization: str | None = None              # e.g. 'fp8-block 128x128 (config.json ...)'; None: none
     digest: str = field(default="", compare=False)  # of the plan's inputs (digest.py): what ranks agree on
+    # The rank whose node's part this is (build_plan's rank mode): the job-wide buckets and sources, and its
+    # node's own; other nodes' own rows are absent. None: the whole job's plan.
+    planned_for: int | None = field(default=None, compare=False)
+    # Buckets numbered from here carry rows one node alone takes (spans.py's second phase): each reader reads
+    # its job-wide buckets in file order, then its node-own ones in file order. None: every bucket is job-wide.
+    node_own_from: int | None = None
 
     def owned_bytes(self, rank: int) -> int:
         """Checkpoint bytes of the pieces delivered to `rank` (what it reads itself with owner reads)."""

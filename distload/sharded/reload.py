@@ -48,7 +48,7 @@ class ShardedSource:
         return Origin(str(self.root), found["hf_config"], 0, found.get("source_checkpoint", str(self.root)),
                       found.get("checkpoint_tensors"))
 
-    def plan(self, manifest: dict, layout):
+    def plan(self, manifest: dict, layout, rank: int | None = None):   # the whole job's plan (reshard.py)
         if self.options.tp is None and manifest["world_size"] == layout.world:
             # no --tp: the saved layout (tp, pipeline stages), on the saved world size
             pp_layers = manifest.get("pp_layers") if manifest.get("pp", 1) > 1 else None
