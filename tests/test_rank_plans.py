@@ -88,3 +88,26 @@ def test_one_node_plans_the_whole_job_whatever_the_rank():
     mine = build_plan(ents, config, rules_for(config), layout, rank=3)
     assert mine.buckets == whole.buckets and mine.sources.keys() == whole.sources.keys()
     assert mine.planned_for is None   # nothing left out: the whole plan
+
+
+@pytest.mark.parametrize("layout", [Layout(world=4, tp=2, ep=2, readers=(0, 2), local_world=2),
+                                    Layout(world=8, tp=2, ep=2, readers=(0, 2, 4, 6), local_world=2)],
+                         ids=["expert-group-per-node", "expert-group-over-two-nodes"])
+def test_block_fp8_experts_and_their_scales(tmp_path, layout):
+    """A block-FP8 MoE checkpoint (real files): expert weights and their scales (made per source from the
+    weight's layouts, quant_layouts.py) left out of other blocks' plans alike, and each rank's part as the job's."""
+    from distload.checkpoint import discover
+    from fp8_checkpoints import quantized_checkpoint
+    from hf_models import save_checkpoint
+
+    index = discover(quantized_checkpoint(save_checkpoint("mixtral", tmp_path / "bf16"), tmp_path / "fp8", "block"))
+    rules = rules_for(index.config)
+    whole = build_plan(index.tensors, index.config, rules, layout)
+    for rank in range(layout.world):
+        mine = build_plan(index.tensors, index.config, rules, layout, rank=rank)
+        assert what_rank_does(mine, rank, False) == what_rank_does(whole, rank, False), rank
+        assert dict(mine.specs[rank]) == dict(whole.specs[rank]) and mine.post[rank] == whole.post[rank]
+        left_out = set(whole.sources) - set(mine.sources)
+        assert any(n.endswith("weight_scale_inv") for n in left_out), sorted(left_out)
+        assert {n.rsplit(".", 1)[0] for n in left_out if n.endswith("weight_scale_inv")} == \
+            {n.rsplit(".", 1)[0] for n in left_out if n.endswith(".weight")}, sorted(left_out)   # weight and scale alike

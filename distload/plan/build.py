@@ -10,7 +10,6 @@ validation (names, shapes, dtypes, divisibility) happens here, before any byte i
 from __future__ import annotations
 
 import collections
-import operator
 
 from .. import names
 from ..rules import FamilyRules
@@ -168,7 +167,12 @@ def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:
                                                            base.local_shape, base.padding, alias_of=to))
 
 
-_FILE_ORDER = operator.attrgetter("file", "offset")
+def _file_order(entries: list) -> list[int]:
+    """Positions of `entries` in file order (file, then offset), by one integer key each: sorting (name, offset)
+    tuples compares the file names again and again (one file holds thousands of tensors)."""
+    file_no = {f: i for i, f in enumerate(sorted({e.file for e in entries}))}
+    keys = [(file_no[e.file] << 48) + e.offset for e in entries]
+    return sorted(range(len(entries)), key=keys.__getitem__)
 
 
 def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: frozenset = frozenset(),
@@ -179,8 +183,10 @@ def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: f
     sources, geometries, broadcasts, elsewhere = [], {}, {}, {}
     planned, of_layouts, world = Source.planned, SourceShares.of_layouts, layout.world
     reader_nodes, per_block = frozenset(layout.reader_nodes), block_nodes(layout)
-    entries = list(map(tensors.__getitem__, shares))
-    for _, name, e in sorted(zip(map(_FILE_ORDER, entries), shares, entries)):   # file order; ties: by name
+    names = list(shares)
+    entries = list(map(tensors.__getitem__, names))
+    for i in _file_order(entries):
+        name, e = names[i], entries[i]
         ss = shares[name]
         shape = tuple(e.shape)
         geometry = geometries.get((e.dtype, shape))

@@ -202,11 +202,8 @@ def _lazy_expert_scales(c: Companion, weight_specs, weight_lays: ExpertLayouts, 
             pairs[i] = scales(weight_lays.value(i), weight_specs.value(i))
         return pairs[i]
     placement = weight_lays.placement
-    seen = set()
-    for i, (k, t) in enumerate(placement.keys):
-        if (t, len(placement.hosts[k])) not in seen:
-            seen.add((t, len(placement.hosts[k])))
-            pair(i)
+    for i in placement.one_per_shape:
+        pair(i)
     bn, bk = block
     mapped = placement.memo   # alike across layers, as the weight's takers are
 
