@@ -46,7 +46,7 @@ class LoadResult:
     params: dict[str, torch.Tensor]
     specs: dict[str, ParamSpec]
     report: dict
-    plan: LoadPlan = field(repr=False)
+    plan: LoadPlan = field(repr=False)   # this rank's: its block's part of the job when plan.planned_for is set
     verdict: Verdict | None = None
     config: dict = field(default_factory=dict, repr=False)
     rank: int = 0

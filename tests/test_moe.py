@@ -302,6 +302,27 @@ def test_inspect_prints_experts_and_bytes_per_rank(moe, capsys):
         assert keeps == sum(s.nbytes for s in plan.specs[r].values() if not s.alias_of)
 
 
+def test_inspect_plans_as_the_rank_does_and_totals_the_job(moe, capsys):
+    """On two nodes inspect times what --rank plans in the load (its node's part: the other node's experts left
+    out) and prints the job's totals from the whole plan."""
+    from distload.checkpoint import discover
+    from distload.cli import main
+    from distload.plan import build_plan
+    from distload.rules import rules_for
+    from distload.topology import Layout
+
+    assert main(["inspect", moe["qwen2_moe"], "--tp", "4", "--ep", "2", "--world", "4", "--local-world", "2",
+                 "--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    whole = distload.inspect(moe["qwen2_moe"], tp=4, ep=2, world=4, local_world=2)
+    index = discover(moe["qwen2_moe"])
+    mine = build_plan(index.tensors, index.config, rules_for(index.config),
+                      Layout(world=4, tp=4, ep=2, readers=(0, 2), local_world=2), rank=3)
+    assert f"checkpoint tensors {len(whole.sources)}, bytes {whole.checkpoint_bytes:,}, buckets {len(whole.buckets)}" in out
+    assert len(mine.sources) < len(whole.sources) and len(mine.buckets) < len(whole.buckets)
+    assert f"({len(mine.sources):,} sources, {len(mine.buckets):,} buckets of its node's part)" in out, out
+
+
 def test_stacked_file_is_transformers_own_layout(moe):
     """transformers loads our stacked file straight into its stacked params (no conversion applies) and gets
     the same model as from the per-expert file: the dim order we support is the one transformers uses."""
