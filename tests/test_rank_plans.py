@@ -30,6 +30,11 @@ LAYOUTS = {
     "replicas-across-nodes": (Layout(world=8, tp=4, readers=(0, 4), local_world=4), False, ""),
     "experts-with-replicas": (Layout(world=8, tp=4, ep=2, readers=(0, 4), local_world=4), True, "sources"),
     "pipeline-stage-per-node": (Layout(world=4, tp=2, pp=2, readers=(0, 2), local_world=2), False, "sources"),
+    "pipeline-stages-with-experts": (Layout(world=8, tp=2, pp=2, ep=2, readers=(0, 2, 4, 6), local_world=2), True,
+                                     "sources"),
+    # EPLB: expert 0 hosted twice (replicas across nodes, job-wide), the others once (on their node)
+    "eplb-map": (Layout(world=8, tp=2, ep=4, readers=(0, 2, 4, 6), local_world=2,
+                        expert_map=((0, 1),) * 2 + ((0, 2),) * 2 + ((3,),) * 2 + ((1, 2),) * 2), True, "sources"),
     "pipeline-stages-replicated": (Layout(world=8, tp=2, pp=2, readers=(0, 2, 4, 6), local_world=2), False, ""),
 }
 STAGING = {"default": 16 << 20, "tiny": 64 << 10}

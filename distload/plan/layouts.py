@@ -95,34 +95,39 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
         parts0 = logical_parts(target, [src], index, rules, config, row0=0, rows=rows_per)
         return [[Part(q.source, q.row0 + e * rows_per, q.rows, q.cols) for q in parts0]
                 for e in range(num_experts)], shape[1:]
-    per_expert_parts = _per_expert_parts(target, index, rules, config, num_experts)
+    per_expert_parts, cut_anew = _per_expert_parts(target, index, rules, config, num_experts)
     one_expert = (sum(p.rows for p in per_expert_parts[0]),) + \
         oriented_shape(index[target.sources[0]].shape, target.rule.transposed)[1:]
-    sizes_of = [tuple((p.rows, p.cols) for p in parts) for parts in per_expert_parts]
-    odd = [e for e in range(num_experts) if sizes_of[e] != sizes_of[0]]
+
+    def sizes_of(e: int) -> tuple:
+        return tuple((p.rows, p.cols) for p in per_expert_parts[e])
+    odd = [e for e in cut_anew if sizes_of(e) != sizes_of(0)]   # the others are expert 0's parts, renamed
     if odd:
-        raise PlanError(f"{where}: experts {odd} have part shapes {sizes_of[odd[0]]} but expert 0 has "
-                        f"{sizes_of[0]}; every expert must have one shape (the checkpoint contradicts itself)")
+        raise PlanError(f"{where}: experts {odd} have part shapes {sizes_of(odd[0])} but expert 0 has "
+                        f"{sizes_of(0)}; every expert must have one shape (the checkpoint contradicts itself)")
     return per_expert_parts, one_expert
 
 
-def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_experts: int) -> list[list[Part]]:
-    """Each expert's logical parts. Parts depend on the sources' shapes and dtypes only, so an expert whose
-    sources look like expert 0's has expert 0's parts on its own sources; any other is cut (and checked) anew."""
+def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict,
+                      num_experts: int) -> tuple[list[list[Part]], list[int]]:
+    """Each expert's logical parts, and the experts cut anew. Parts depend on the sources' shapes and dtypes only,
+    so an expert whose sources look like expert 0's has expert 0's parts on its own sources; any other is cut
+    (and checked) anew."""
     sources0 = target.expert_sources[0]
     parts0 = logical_parts(target, list(sources0), index, rules, config)
     position = {s: k for k, s in enumerate(sources0)}
     look = [(tuple(index[s].shape), index[s].dtype) for s in sources0]
     if len(position) != len(sources0):   # a source named twice: no positional renaming
         look = None
-    out = [parts0]
+    out, anew = [parts0], []
     for e in range(1, num_experts):
         sources = target.expert_sources[e]
         if look is not None and [(tuple(index[s].shape), index[s].dtype) for s in sources] == look:
             out.append([Part(sources[position[q.source]], q.row0, q.rows, q.cols) for q in parts0])
         else:
             out.append(logical_parts(target, list(sources), index, rules, config))
-    return out
+            anew.append(e)
+    return out, anew
 
 
 def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, placement,
