@@ -41,7 +41,7 @@ def transfer_phase(plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], d
             else:
                 taken = Route("wire", f"one node, but the handover of the reader's files failed: {why}")
         if mover is None:
-            # rank 0 sees the buckets of its plan (its node's part: build_plan's rank mode)
+            # rank 0 sees the buckets of its plan (its block's part: build_plan's rank mode)
             bar = Progress(sum(b.read_bytes for b in plan.buckets), enabled=progress and rank == 0)
             mover = Transfer(plan, rank, params, reader=reader, device=device,
                              progress=bar if rank == 0 else None, on_bucket_done=on_bucket_done, shm=shm)

@@ -1,6 +1,6 @@
 """`distload inspect`: the plan without a process group — what a rank will hold and move, and the job's totals.
 
-It plans exactly as one rank of the job would (`--rank`: its node's part of the plan, build_plan's rank mode),
+It plans exactly as one rank of the job would (`--rank`: its block's part of the plan, build_plan's rank mode),
 timing that planning and its peak memory; the job's totals and the per-rank table come from the whole job's
 plan, made after (untimed). The per-rank table is printed for small worlds (or on request): a line per rank
 costs a pass over the buckets each.
@@ -145,7 +145,7 @@ def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | 
     own = inspection.rank_plan if inspection is not None and inspection.rank == rank else None
     mine = rank_traffic(own or plan, rank)   # the rank's plan gives the same (tests/test_rank_plans.py)
     cost = (f"planned in {inspection.plan_seconds:.2f} CPU s, peak +{inspection.plan_peak_bytes / 2**20:.0f} MiB"
-            + (f" ({len(own.sources):,} sources, {len(own.buckets):,} buckets of its node's part); "
+            + (f" ({len(own.sources):,} sources, {len(own.buckets):,} buckets of its block's part); "
                if own is not None and own.planned_for is not None else "; ")
             if own is not None else "")
     lines.append(f"rank {rank}: {cost}{mine['messages']:,} messages ({mine['sends']:,} sends, {mine['receives']:,} "

@@ -132,7 +132,7 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     clock.lap("discover")
 
     def plan_within_timeout():
-        # Each rank plans its node's part (build_plan's rank mode); a sharded save's manifest names every source.
+        # Each rank plans its block's part (build_plan's rank mode); a sharded save's manifest names every source.
         with within(options.timeout_s, "planning"):
             return source.plan(found, topo.layout, rank=None if options.save_sharded else rank)
 

@@ -83,7 +83,7 @@ def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str
         "pp_layers_from": layout.pp_layers_from if layout.pp_layers else None,   # --pp-layers, the env, or default
         "readers": list(layout.readers),
         "checkpoint_bytes": plan.checkpoint_bytes,
-        # What this rank planned: its node's part of the job (rank mode: "rank" names it) or the whole job (None).
+        # What this rank planned: its block's part of the job (rank mode: "rank" names it) or the whole job (None).
         "plan_part": {"rank": plan.planned_for, "sources": len(plan.sources), "buckets": len(plan.buckets)},
         "storage_bytes_read": sum(r["bytes_read"] for r in per_rank),
         "seconds": seconds,

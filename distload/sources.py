@@ -5,7 +5,7 @@ same for every source; a source answers its few questions:
                                      other ranks get it as metadata and never open a header
     early_fetch(found, layout)       rank 0, before the rendezvous: ask storage for the first bytes
     origin(found)                    root, config.json, bytes, where a --save-sharded of it came from
-    plan(found, layout, rank)        the LoadPlan for this job's layout (pure); rank: what that rank's node needs
+    plan(found, layout, rank)        the LoadPlan for this job's layout (pure); rank: what that rank's block needs
                                      (None: the whole job)
     before_transfer(found, plan, rank, clock)  collective checks before a byte moves; report fields
     copy_blocker(found, plan)        why its bytes cannot be copied from its files as they are (None: they can)
@@ -111,7 +111,7 @@ class CheckpointSource:
         return {}
 
     def copy_blocker(self, found, plan) -> str | None:
-        if any(is_legacy_file(f) for f in found.files):   # the job's files: a rank's plan lacks other nodes' own
+        if any(is_legacy_file(f) for f in found.files):   # the job's files: a rank's plan lacks other blocks' own
             return "torch.load files are unpickled whole"
         if self.options.verify_checksums:  # direct copies bypass read_into, where the readers hash
             return "--verify-checksums hashes the bytes as the readers read them"

@@ -320,7 +320,7 @@ def test_inspect_plans_as_the_rank_does_and_totals_the_job(moe, capsys):
                       Layout(world=4, tp=4, ep=2, readers=(0, 2), local_world=2), rank=3)
     assert f"checkpoint tensors {len(whole.sources)}, bytes {whole.checkpoint_bytes:,}, buckets {len(whole.buckets)}" in out
     assert len(mine.sources) < len(whole.sources) and len(mine.buckets) < len(whole.buckets)
-    assert f"({len(mine.sources):,} sources, {len(mine.buckets):,} buckets of its node's part)" in out, out
+    assert f"({len(mine.sources):,} sources, {len(mine.buckets):,} buckets of its block's part)" in out, out
 
 
 def test_stacked_file_is_transformers_own_layout(moe):

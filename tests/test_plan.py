@@ -185,9 +185,9 @@ def assert_each_byte_read_once(plan) -> None:
 
 
 def assert_items_consistent(plan) -> None:
-    # Numbered in posting order: densely below node_own_from, then each reader's node-own ones (buckets.py).
+    # Numbered in posting order: densely below block_own_from, then each reader's block-own ones (buckets.py).
     indices = [x.index for x in plan.buckets]
-    assert indices == sorted(set(indices)) and indices[:plan.node_own_from] == list(range(plan.node_own_from))
+    assert indices == sorted(set(indices)) and indices[:plan.block_own_from] == list(range(plan.block_own_from))
     for b in plan.buckets:
         for rank in range(plan.layout.world):
             items = plan.items(b, rank)
@@ -442,15 +442,11 @@ def test_multiple_readers(ckpt, readers):
     biggest = max(s.nbytes for s in plan.sources.values())
     for r, n in per_reader.items():
         assert abs(n - total / len(readers)) <= biggest, (per_reader, total, biggest)
-    # Each reader's chunks, in bucket order, are in file order (sequential reads): its job-wide buckets, then
-    # (several nodes reading) those of the rows its node alone takes.
-    assert plan.node_own_from > 0 if len(readers) > 1 else plan.node_own_from == len(plan.buckets)
+    # Each reader's chunks, in bucket order, are in file order (sequential reads).
     for r in readers:
-        for own in (False, True):
-            keys = [(plan.sources[c.source].file, plan.sources[c.source].offset, c.rows)
-                    for b in plan.buckets if b.reader == r and (b.index >= plan.node_own_from) == own
-                    for c in b.chunks]
-            assert keys == sorted(keys)
+        keys = [(plan.sources[c.source].file, plan.sources[c.source].offset, c.rows)
+                for b in plan.buckets if b.reader == r for c in b.chunks]
+        assert keys == sorted(keys)
     # Readers' buckets are interleaved: the first len(readers) buckets come from distinct readers.
     assert len({b.reader for b in plan.buckets[:len(readers)]}) == len(readers)
     assert_each_byte_read_once(plan)
@@ -480,12 +476,12 @@ def test_two_nodes_keep_their_rows_on_their_node(ckpt, family, readers):
         assert sum(cross_node_bytes(plan)[2:]) < 0.25 * sum(s.nbytes for r in (2, 3) for s in plan.specs[r].values()
                                                               if not s.alias_of)
     # Each reader's chunks, in bucket order, are in file order (sequential reads): its job-wide buckets, then
-    # (several nodes reading) those of the rows its node alone takes.
-    assert plan.node_own_from > 0 if len(readers) > 1 else plan.node_own_from == len(plan.buckets)
+    # (several nodes reading) those of the rows its block alone takes.
+    assert plan.block_own_from > 0 if len(readers) > 1 else plan.block_own_from == len(plan.buckets)
     for r in readers:
         for own in (False, True):
             keys = [(plan.sources[c.source].file, plan.sources[c.source].offset, c.rows)
-                    for b in plan.buckets if b.reader == r and (b.index >= plan.node_own_from) == own
+                    for b in plan.buckets if b.reader == r and (b.index >= plan.block_own_from) == own
                     for c in b.chunks]
             assert keys == sorted(keys)
 

@@ -114,22 +114,22 @@ def _per_group(taken: list[tuple]) -> tuple:
     return tuple(sorted(groups.items()))
 
 
-def interleaved(per_reader: dict[int, list[tuple]], readers, world: int, node_own: dict | None = None
+def interleaved(per_reader: dict[int, list[tuple]], readers, world: int, block_own: dict | None = None
                 ) -> tuple[Bucket, ...]:
     """Number the readers' buckets (buckets_for's), taking one from each reader in turn, so that every reader
-    has work in flight at the same time. node_own: per reader, the buckets of its node's own rows (spans.py's
+    has work in flight at the same time. block_own: per reader, the buckets of its block's own rows (spans.py's
     second phase), after all the others: the k-th of the reader at position p is number first + k x readers + p,
-    which every rank agrees on without planning other nodes' own buckets (a rank's plan has its node's only)."""
+    which every rank agrees on without planning other blocks' own buckets (a rank's plan has its block's only)."""
     buckets = []
     for group in itertools.zip_longest(*(per_reader[r] for r in readers)):
         for reader, b in zip(readers, group):
             if b is not None:
                 buckets.append(_bucket(len(buckets), reader, b, world))
-    if node_own:
+    if block_own:
         first, n = len(buckets), len(readers)
         numbered = sorted((first + k * n + p, reader) for p, reader in enumerate(readers)
-                          for k in range(len(node_own.get(reader, ()))))
-        buckets += [_bucket(i, reader, node_own[reader][(i - first) // n], world) for i, reader in numbered]
+                          for k in range(len(block_own.get(reader, ()))))
+        buckets += [_bucket(i, reader, block_own[reader][(i - first) // n], world) for i, reader in numbered]
     return tuple(buckets)
 
 

@@ -2,8 +2,8 @@
 
 Every rank computes the same plan from the same metadata, so no per-tensor control message ever
 travels: a receiver knows from the plan which bytes arrive, in which order, and where they go. In a load
-a rank plans the job-wide part and its own node's (rank mode, spans.py): the rows another node alone takes
-are that node's business, so a rank's planning grows with what its node holds, not with the job. All
+a rank plans the job-wide part and its own block's (rank mode, spans.py): the rows another block alone takes
+are that block's business, so a rank's planning grows with what its block holds, not with the job. All
 validation (names, shapes, dtypes, divisibility) happens here, before any byte is read.
 """
 
@@ -97,7 +97,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     # index: flat 4-bit tensors as their 2-D views
     planned_sources = _sources(shares, index, layout, per_node, home)
     sources = [s for s in planned_sources if type(s) is not Elsewhere]
-    buckets, node_own_from = _buckets(planned_sources, layout, staging_bytes, home)
+    buckets, block_own_from = _buckets(planned_sources, layout, staging_bytes, home)
     notes = []
     if match.ignored:
         notes.append(f"ignored by rule: {names.describe(match.ignored)}")
@@ -109,7 +109,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
                     ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in planned_sources),
                     notes=tuple(notes),
                     staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization,
-                    digest=digest, planned_for=None if home is None else rank, node_own_from=node_own_from)
+                    digest=digest, planned_for=None if home is None else rank, block_own_from=block_own_from)
 
 
 def _buckets(sources: list, layout: Layout, staging_bytes: int, home: int | None) -> tuple[tuple, int]:
@@ -168,7 +168,7 @@ def _add_aliases(specs: RankSpecs, tied: dict[str, str]) -> None:
 
 
 def _file_order(entries: list) -> list[int]:
-    """Positions of `entries` in file order (file, then offset), by one integer key each: sorting (name, offset)
+    """Positions of `entries` in file order (file, then offset), by one integer key each: sorting (file, offset)
     tuples compares the file names again and again (one file holds thousands of tensors)."""
     file_no = {f: i for i, f in enumerate(sorted({e.file for e in entries}))}
     keys = [(file_no[e.file] << 48) + e.offset for e in entries]
@@ -178,8 +178,8 @@ def _file_order(entries: list) -> list[int]:
 def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: frozenset = frozenset(),
              home: int | None = None) -> list:
     """The sources that anyone receives, in file order (file, then offset). Runs once per checkpoint tensor:
-    geometry is worked out once per (dtype, shape), broadcast once per distinct takers. home (a rank's plan):
-    a source only other nodes take and read (spans.away) is an Elsewhere, made without its shares."""
+    geometry is worked out once per (dtype, shape), broadcast once per distinct takers. home (a rank's plan:
+    its block): a source other blocks own (spans.away) is an Elsewhere, made without its shares."""
     sources, geometries, broadcasts, elsewhere = [], {}, {}, {}
     planned, of_layouts, world = Source.planned, SourceShares.of_layouts, layout.world
     reader_nodes, per_block = frozenset(layout.reader_nodes), block_nodes(layout)
@@ -210,8 +210,8 @@ def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: f
             key = (id(takers), rows, row_bytes)   # the memo holds the takers: ids stay unique
             known = elsewhere.get(key)
             if known is None:
-                known = elsewhere[key] = (takers, away(takers, rows, row_bytes, layout.local_world, reader_nodes, per_block,
-                                                           home))
+                gone = away(takers, rows, row_bytes, layout.local_world, reader_nodes, per_block, home)
+                known = elsewhere[key] = (takers, gone)
             if known[1] is not None:
                 sources.append(known[1])
                 continue

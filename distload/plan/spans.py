@@ -20,7 +20,6 @@ row is job-wide: every rank plans it, since where it is read depends on all node
 from __future__ import annotations
 
 import operator
-
 from typing import NamedTuple
 
 from ..topology import Layout
@@ -83,7 +82,7 @@ class _Cursor:
 
 
 class Elsewhere(NamedTuple):
-    """A source that other nodes alone take and read, in place of its Source in a rank's plan: per row segment,
+    """A source that other blocks alone take and read, in place of its Source in a rank's plan: per row segment,
     the nodes that take it and its bytes (what the job-wide quotas and the few-nodes choices count)."""
     segments: tuple[tuple[frozenset, int], ...]
     nbytes: int
@@ -172,8 +171,8 @@ def _nodes_named(first: int, last: int) -> tuple:
 
 
 def reader_spans(sources: list, layout: Layout) -> tuple[dict[int, list[Span]], dict[int, list[Span]]]:
-    """Per reader, the job-wide spans it reads and its node's own (see the module docstring); `sources` are in
-    file order, Sources or (a rank's plan) Elsewhere for the sources other nodes alone take."""
+    """Per reader, the job-wide spans it reads and its block's own (see the module docstring); `sources` are in
+    file order, Sources or (a rank's plan) Elsewhere for the sources other blocks alone take."""
     readers = layout.readers
     total = sum(s.nbytes for s in sources)
     if not layout.reads_by_node:
@@ -236,11 +235,11 @@ def reader_spans(sources: list, layout: Layout) -> tuple[dict[int, list[Span]], 
         else:
             for n in dest:
                 per_node[n].append((s, (a, b)))
-    job_wide, node_own = {}, {}
+    job_wide, block_own = {}, {}
     for n in nodes:
         job_wide.update(_evenly(merged(per_node[n]), by_node[n]))
-        node_own.update(_evenly(merged(own[n]), by_node[n]))
-    return job_wide, node_own
+        block_own.update(_evenly(merged(own[n]), by_node[n]))
+    return job_wide, block_own
 
 
 def _evenly(spans: list[Span], readers: tuple[int, ...]) -> dict[int, list[Span]]:

@@ -202,12 +202,12 @@ class LoadPlan:
     post: tuple[tuple, ...] = ()                 # per rank, quant_steps.Step s run after their inputs arrive
     quantization: str | None = None              # e.g. 'fp8-block 128x128 (config.json ...)'; None: none
     digest: str = field(default="", compare=False)  # of the plan's inputs (digest.py): what ranks agree on
-    # The rank whose node's part this is (build_plan's rank mode): the job-wide buckets and sources, and its
-    # node's own; other nodes' own rows are absent. None: the whole job's plan.
+    # The rank whose block's part this is (build_plan's rank mode): the job-wide buckets and sources, and its
+    # block's own; other blocks' own rows are absent. None: the whole job's plan.
     planned_for: int | None = field(default=None, compare=False)
-    # Buckets numbered from here carry rows one node alone takes (spans.py's second phase): each reader reads
-    # its job-wide buckets in file order, then its node-own ones in file order. None: every bucket is job-wide.
-    node_own_from: int | None = None
+    # Buckets numbered from here carry rows one block alone takes (spans.py's second phase): each reader reads
+    # its job-wide buckets in file order, then its block-own ones in file order. None: every bucket is job-wide.
+    block_own_from: int | None = None
 
     def owned_bytes(self, rank: int) -> int:
         """Checkpoint bytes of the pieces delivered to `rank` (what it reads itself with owner reads)."""
