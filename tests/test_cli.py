@@ -125,6 +125,13 @@ def test_inspect_refuses_bad_tp_before_io(dense_checkpoints):
     assert "try tp 1, 2, 4" in proc.stderr
 
 
+def test_inspect_refuses_a_rank_outside_the_world_before_planning(dense_checkpoints):
+    proc = subprocess.run([sys.executable, "-m", "distload", "inspect", dense_checkpoints["qwen3"], "--tp", "2",
+                           "--world", "4", "--local-world", "2", "--rank", "4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "--rank 4: the world has ranks 0..3" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_demo_under_torchrun(tmp_path):
     proc = torchrun(2, "demo", str(tmp_path / "demo-ckpt"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
