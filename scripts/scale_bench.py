@@ -4,10 +4,10 @@ Writes sparse safetensors checkpoints (real headers: the published tensor names,
 count; data regions left as holes, so a 405B checkpoint costs a few MB of disk) and a real config.json,
 then, per (model, world) in a fresh subprocess with a time and memory limit, runs what one rank runs
 before its first byte moves: discover + rules_for (the "parse" column), build_plan for that rank (the "plan"
-column: rank mode, its node's part of the job, as the load plans), plan_digest. The job's buckets and the
-node read balance come from the whole job's plan, made after (untimed). Layout: 8 ranks per node, one reader per node, tp 8, the other ranks data-parallel replicas;
-MoE models add ep = world / 8 (at most the number of experts). Prints a markdown table (BENCHMARKS.md,
-"Scale: planning one rank").
+column: rank mode, its block's part of the job, as the load plans), plan_digest. The job's buckets and the
+node read balance come from the whole job's plan, made after (untimed). Layout: 8 ranks per node, one reader
+per node, tp 8, the other ranks data-parallel replicas; MoE models add ep = world / 8 (at most the number
+of experts). Prints a markdown table (BENCHMARKS.md, "Scale: planning one rank").
 
     python scripts/scale_bench.py --models llama3-70b --worlds 8,64 --limit-s 60
 """

@@ -10,7 +10,7 @@
     layouts.py        per target and rank: its spec and the pieces that fill it
     expert_layouts.py expert params' layouts made per rank when asked; an expert source's shares per source
     source_shares.py  a source's shares made when first asked (expert sources), their takers known before
-    spans.py          which rows each reader reads: job-wide rows, and each node's own (rank mode skips others')
+    spans.py          which rows each reader reads: job-wide rows, and each block's own (rank mode skips others')
     buckets.py        reader spans -> chunks -> buckets, interleaved across readers
     quant.py          FP8 schemes and the scale companions of quantized weights
     quant_layouts.py  the companions' cuts, derived from their weights'

@@ -1,9 +1,9 @@
 """The plan's digest: a hash of what planning reads (index, config, rules, layout, options, version).
 
 Every rank must hold the same plan (no control message ever travels; in rank mode the same job-wide
-part, and its node's own part as the node's other ranks). Planning is a pure function of its inputs
-(and of the node a rank plans for), so ranks agree on the plan by agreeing on its inputs: hashing them costs O(tensors) on each
-rank, never the size of the plan (which would grow with the job).
+part, and its block's own part as the block's other ranks). Planning is a pure function of its inputs
+(and of the block a rank plans for), so ranks agree on the plan by agreeing on its inputs: hashing them
+costs O(tensors) on each rank, never the size of the plan (which would grow with the job).
 """
 
 from __future__ import annotations

@@ -96,16 +96,11 @@ def block_nodes(layout: Layout) -> int:
     return max(1, -(-span // layout.local_world)) if layout.local_world else 1
 
 
-def node_segments(src: Source, local_world: int) -> list[tuple[int, int, frozenset]]:
-    """The source's rows cut where the set of nodes taking them changes: (first row, end row, nodes). A group
-    of replicas on several nodes counts as its first and last member's nodes (all that matters is whether
-    one node alone takes the rows, and which few nodes do: MANY marks groups over more nodes).
-    `local_world`: ranks per node (torchrun numbers ranks node by node)."""
-    return segments_of(src.takers, src.rows, local_world)
-
-
-def segments_of(takers: tuple, rows: int, local_world: int) -> list[tuple[int, int, frozenset]]:
-    """node_segments of a source's takers and rows."""
+def node_segments(takers: tuple, rows: int, local_world: int) -> list[tuple[int, int, frozenset]]:
+    """A source's rows (`rows` of them, taken by `takers`: Source.takers) cut where the set of nodes taking them
+    changes: (first row, end row, nodes). A group of replicas on several nodes counts as its first and last
+    member's nodes (all that matters is whether one node alone takes the rows, and which few nodes do: MANY
+    marks groups over more nodes). `local_world`: ranks per node (torchrun numbers ranks node by node)."""
     if not takers:
         return [(0, rows, frozenset())]
     lw = local_world or (1 << 62)   # 0: one node (topology.Layout.node)
@@ -145,7 +140,7 @@ def away(takers: tuple, rows: int, row_bytes: int, local_world: int, reader_node
     if not unreplicated(takers):
         return None
     segments = []
-    for a, b, nodes in segments_of(takers, rows, local_world):
+    for a, b, nodes in node_segments(takers, rows, local_world):
         block = _own_block(nodes, reader_nodes, per_block)
         if block is None or block == home:
             return None
@@ -185,6 +180,9 @@ def reader_spans(sources: list, layout: Layout) -> tuple[dict[int, list[Span]], 
 
     def least_loaded(takers):   # of a few nodes that take rows: its share of them never crosses the network
         return min(sorted(takers), key=lambda n: home_bytes[n] / len(by_node[n]))
+
+    def block_reader(takers):   # the node that reads a block's own rows: one Source and its Elsewhere alike
+        return next(iter(takers)) if len(takers) == 1 else least_loaded(takers)
     # First pass: where each segment goes (a node, several for a per-node source, or SHARED) and each node's
     # own bytes; the second places shared rows by the quotas those leave, so every list comes out in file order.
     routed: list[tuple] = []
@@ -192,12 +190,13 @@ def reader_spans(sources: list, layout: Layout) -> tuple[dict[int, list[Span]], 
     for s in sources:
         if type(s) is Elsewhere:   # as a Source with these segments would count (below)
             for takers, nbytes in s.segments:
-                home_bytes[next(iter(takers)) if len(takers) == 1 else least_loaded(takers)] += nbytes
+                home_bytes[block_reader(takers)] += nbytes
             continue
         key = (id(s.takers), s.rows)   # interned, and kept alive by the sources
         known = segmented.get(key)
         if known is None:
-            known = segmented[key] = (node_segments(s, layout.local_world), unreplicated(s.takers))
+            known = segmented[key] = (node_segments(s.takers, s.rows, layout.local_world),
+                                      unreplicated(s.takers))
         segments, alone = known
         for a, b, takers in segments:
             if s.per_node:   # each taking node's reader reads these rows for its own ranks
@@ -206,7 +205,7 @@ def reader_spans(sources: list, layout: Layout) -> tuple[dict[int, list[Span]], 
                 routed.append((s, a, b, tuple(sorted(takers))))
                 continue
             if alone and _own_block(takers, reading, per_block) is not None:   # a block's own: its second phase
-                only = next(iter(takers)) if len(takers) == 1 else least_loaded(takers)
+                only = block_reader(takers)
                 home_bytes[only] += (b - a) * s.row_bytes
                 own[only].append((s, (a, b)))
                 continue

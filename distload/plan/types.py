@@ -95,13 +95,13 @@ class Source:
     def planned(cls, name: str, file: str, offset: int, dtype: str, shape: tuple, shares, broadcast: bool,
                 per_node: bool, geometry: tuple, takers: tuple) -> "Source":
         """A Source with its derived values given (geometry: rows, row_bytes, nbytes; takers as __post_init__
-        makes them; a SourceShares' are one object per alike source already). Planning makes one per
+        makes them, interned; a SourceShares' are one object per alike source already). Planning makes one per
         checkpoint tensor, where the frozen dataclass's field-by-field __init__ costs more than all the rest:
         the same object, its fields set at once."""
         rows, row_bytes, nbytes = geometry
         return made(cls, name=name, file=file, offset=offset, dtype=dtype, shape=shape, shares=shares,
                     broadcast=broadcast, per_node=per_node, rows=rows, row_bytes=row_bytes, nbytes=nbytes,
-                    takers=takers if isinstance(shares, SourceShares) else interned(takers))
+                    takers=takers)
 
     @property
     def deliveries(self) -> tuple[Delivery, ...]:
