@@ -116,3 +116,22 @@ def test_block_fp8_experts_and_their_scales(tmp_path, layout):
         assert any(n.endswith("weight_scale_inv") for n in left_out), sorted(left_out)
         assert {n.rsplit(".", 1)[0] for n in left_out if n.endswith("weight_scale_inv")} == \
             {n.rsplit(".", 1)[0] for n in left_out if n.endswith(".weight")}, sorted(left_out)   # weight and scale alike
+
+
+def test_a_merged_run_of_other_blocks_sources_counts_as_its_members():
+    """A rank's plan sums a run of fixed Elsewheres (one node's rows each) into one; the job-wide rows then go
+    where the run's members, counted one by one, would send them."""
+    from distload.plan.spans import Elsewhere, merged_run, reader_spans
+
+    whole = plan_of("replicas-across-nodes", "default", None)
+    layout, sources = whole.layout, sorted(whole.sources.values(), key=lambda s: (s.file, s.offset))
+    on_node_1 = Elsewhere(((frozenset({1}), whole.checkpoint_bytes // 8),), whole.checkpoint_bytes // 8, True)
+    over_both = Elsewhere(((frozenset({0}), 1 << 10), (frozenset({1}), 3 << 10)), 4 << 10, True)
+    run = [(on_node_1, 3), (over_both, 2)]
+    merged = merged_run(run)
+    assert merged.nbytes == 3 * on_node_1.nbytes + 2 * over_both.nbytes
+    assert dict(merged.segments) == {frozenset({0}): 2 << 10, frozenset({1}): 3 * on_node_1.nbytes + (6 << 10)}
+    one_by_one = [on_node_1] * 3 + [over_both] * 2 + sources
+    assert reader_spans([merged] + sources, layout) == reader_spans(one_by_one, layout)
+    # Counting matters here: node 1's own bytes move the shared rows to node 0.
+    assert reader_spans([on_node_1] + sources, layout) != reader_spans(one_by_one, layout)

@@ -10,6 +10,7 @@ validation (names, shapes, dtypes, divisibility) happens here, before any byte i
 from __future__ import annotations
 
 import collections
+import itertools
 
 from .. import names
 from ..rules import FamilyRules
@@ -22,12 +23,11 @@ from .digest import inputs_digest
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_placement
 from .layouts import Planned, layouts_for_target, relayout
-from .spans import Elsewhere, away, block_nodes, reader_spans
+from .other_blocks import Away, elsewhere_in_bulk, geometry as source_geometry
+from .spans import Elsewhere, block_nodes, merged_run, reader_spans
 from .targets import expand_targets, match_checkpoint
 from .ranks import RankSpecs, RankValues
-from ..dtypes import itemsize
 from .expert_layouts import lazily_shared
-from .shard import view2d
 from .source_shares import SourceShares, share_takers, takers_broadcast
 from .types import LoadPlan, ParamSpec, Share, Source, interned
 
@@ -95,7 +95,8 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     per_node = pipeline.split_by_node(shares, stages)
     home = layout.node(rank) // block_nodes(layout) if rank is not None and layout.reads_by_node else None
     # index: flat 4-bit tensors as their 2-D views
-    planned_sources = _sources(shares, index, layout, per_node, home)
+    lazy = [lays for _, lays in planned.values() if lazily_shared(lays)]
+    planned_sources = _sources(shares, index, layout, per_node, home, lazy)
     sources = [s for s in planned_sources if type(s) is not Elsewhere]
     buckets, block_own_from = _buckets(planned_sources, layout, staging_bytes, home)
     notes = []
@@ -145,7 +146,11 @@ def _shares(planned: dict[str, Planned], layout: Layout) -> dict[str, list]:
     new = tuple.__new__   # one Share per group and piece of the whole job: the tuple's own constructor
     for name, (_, lays) in planned.items():
         if lazily_shared(lays):
-            for source in lays.sources():
+            sources = lays.sources()
+            if shares.keys().isdisjoint(sources):   # the usual: a param's own experts, a list each, made by maps
+                shares.update(zip(sources, map(list, itertools.repeat((lays,)))))
+                continue
+            for source in sources:
                 shares[source].append(lays)
             continue
         lays = as_rank_values(lays, layout)
@@ -176,24 +181,35 @@ def _file_order(entries: list) -> list[int]:
 
 
 def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: frozenset = frozenset(),
-             home: int | None = None) -> list:
+             home: int | None = None, lazy_layouts=()) -> list:
     """The sources that anyone receives, in file order (file, then offset). Runs once per checkpoint tensor:
     geometry is worked out once per (dtype, shape), broadcast once per distinct takers. home (a rank's plan:
-    its block): a source other blocks own (spans.away) is an Elsewhere, made without its shares."""
-    sources, geometries, broadcasts, elsewhere = [], {}, {}, {}
+    its block): a source other blocks own (spans.away) is an Elsewhere, made without its shares; those of
+    `lazy_layouts` (expert params) are found layer by layer (other_blocks.py)."""
+    sources, geometries, broadcasts = [], {}, {}
     planned, of_layouts, world = Source.planned, SourceShares.of_layouts, layout.world
-    reader_nodes, per_block = frozenset(layout.reader_nodes), block_nodes(layout)
+    decide = Away(layout, home) if home is not None else None
+    in_bulk = elsewhere_in_bulk(lazy_layouts, shares, tensors, decide, per_node) if decide else {}
     names = list(shares)
     entries = list(map(tensors.__getitem__, names))
+    run, merged = [], {}   # other blocks' fixed Elsewheres since the last source planned; runs merged, by ids
     for i in _file_order(entries):
         name, e = names[i], entries[i]
+        gone = in_bulk.get(name)
+        if gone is not None and gone.fixed:
+            run.append(gone)
+            continue
+        if run:
+            sources.append(_merged(run, merged))
+            run = []
+        if gone is not None:
+            sources.append(gone)
+            continue
         ss = shares[name]
         shape = tuple(e.shape)
         geometry = geometries.get((e.dtype, shape))
         if geometry is None:
-            rows, cols = view2d(shape)
-            isz = itemsize(e.dtype)
-            geometry = geometries[e.dtype, shape] = (rows, cols * isz, rows * cols * isz, isz)
+            geometry = geometries[e.dtype, shape] = source_geometry(e)
         rows, row_bytes, _, isz = geometry
         lone = ss[0] if len(ss) == 1 else None
         if lone is not None and type(lone) is not Share:   # one param's layouts make the shares (expert sources)
@@ -206,14 +222,10 @@ def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: f
             ss = tuple(ss)
             takers = interned(share_takers(ss, isz))
         twice = name in per_node if per_node else False
-        if home is not None and not twice:
-            key = (id(takers), rows, row_bytes)   # the memo holds the takers: ids stay unique
-            known = elsewhere.get(key)
-            if known is None:
-                gone = away(takers, rows, row_bytes, layout.local_world, reader_nodes, per_block, home)
-                known = elsewhere[key] = (takers, gone)
-            if known[1] is not None:
-                sources.append(known[1])
+        if decide is not None and not twice:
+            gone = decide(takers, rows, row_bytes)
+            if gone is not None:   # (the run was merged above)
+                (run if gone.fixed else sources).append(gone)
                 continue
         if ss is None:
             ss = of_layouts(name, lone, takers)
@@ -226,7 +238,19 @@ def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: f
                 broadcast = broadcasts[key] = takers_broadcast(takers, rows, row_bytes, world)
         sources.append(planned(name, e.file, e.offset, e.dtype, shape, ss, broadcast and not twice, twice,
                                geometry[:3], takers))
+    if run:
+        sources.append(_merged(run, merged))
     return sources
+
+
+def _merged(run: list, memo: dict):
+    """spans.merged_run of a run of Elsewheres, once per distinct run (layer after layer, the same experts')."""
+    key = tuple(map(id, run))   # the memo's runs hold their Elsewheres: ids stay unique
+    known = memo.get(key)
+    if known is None:
+        times = collections.Counter(key)
+        known = memo[key] = (run, merged_run([(gone, times[id(gone)]) for gone in dict(zip(key, run)).values()]))
+    return known[1]
 
 
 def _runs_of_shares(entries: list) -> list:

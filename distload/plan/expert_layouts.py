@@ -11,11 +11,15 @@ experts it serves or reads, and the takers every rank needs for bucketing are on
 
 from __future__ import annotations
 
+import operator
+
 from ..errors import PlanError
 from .ranks import RankValues
 from .shard import LocalLayout, Piece
 from .source_shares import share_takers
 from .types import Share
+
+_DTYPE_AND_SHAPE = operator.attrgetter("dtype", "shape")   # of a checkpoint entry
 
 
 def _part_of(piece: Piece, parts) -> int:
@@ -78,11 +82,17 @@ class ExpertLayouts(RankValues):
     exact: the templates are the stored pieces (no transposed or vector restore rewrote them); otherwise a
     source's shares are read off the stacked values of the ranks that host its expert."""
 
-    def __init__(self, param: str, cuts: ExpertCuts, placement, make, exact: bool):
+    def __init__(self, param: str, cuts: ExpertCuts, placement, make, exact: bool, look: tuple | None = None):
         super().__init__((), placement.world, make=make, period=placement.period)
         self.param, self.cuts, self.placement, self.exact = param, cuts, placement, exact
         self.slots = cuts.slots_by_source()
         self._template_id = placement.memo.setdefault(("templates", cuts.templates), len(placement.memo))
+        # Every (expert, part) its own source, unshifted, with the dtype and shape `look` names per part: what
+        # `takers` and the sources' geometry depend on is then these few values (takers_inputs).
+        moves = cuts.moves
+        one_each = look is not None and len(self.slots) == len(moves) * len(look) and \
+            not any(shift for parts in moves for _, shift in parts)
+        self._alike = ("alike experts", len(moves), look) if one_each else None
 
     def sources(self):
         return self.slots.keys()
@@ -126,15 +136,33 @@ class ExpertLayouts(RankValues):
                                       for i, _, _, rows, cols, _, _ in self._entries(source))
         return known
 
+    def takers_inputs(self, tensors: dict, sources: list[str] | None = None) -> tuple | None:
+        """What `takers` of `sources` (None: all, in `sources()` order) and their dtypes and shapes depend on: (a
+        key, a value). Layouts with equal keys and values give, position for position, the same takers, dtype and
+        shape (a rank's plan decides a layer's experts as an earlier layer's: other_blocks.py). None: not known
+        without shares. Asked of every expert param: alike experts answer without a pass over their sources."""
+        if not self.exact:
+            return None
+        key = ("experts", self._template_id)
+        if sources is None:
+            if self._alike is not None:
+                return key, self._alike
+            sources = list(self.slots)
+        return key, (tuple(map(self.slots.__getitem__, sources)),
+                     tuple(map(_DTYPE_AND_SHAPE, map(tensors.__getitem__, sources))))
+
 
 class DerivedExpertLayouts(RankValues):
     """Layouts computed from an expert weight's (its block scales): value i = derive(weight value i), asked
     lazily; a derived source's shares are read off the values of the ranks holding its weight source, and its
-    takers are `takers_of(weight source)`: the weight source's, mapped."""
+    takers are `takers_of(weight source)`: the weight source's, mapped. mapping: what takers_of and the
+    sources' shapes depend on besides the weight sources' takers, dtypes and shapes (the block size, say)."""
 
-    def __init__(self, param: str, weight: ExpertLayouts, weight_source_of: dict[str, str], make, takers_of):
+    def __init__(self, param: str, weight: ExpertLayouts, weight_source_of: dict[str, str], make, takers_of,
+                 mapping: tuple, dtype: str):
         super().__init__((), weight.world, make=make, period=weight.period)
         self.param, self.weight, self.weight_source_of, self.takers_of = param, weight, weight_source_of, takers_of
+        self.mapping, self.dtype = mapping, dtype   # every source's dtype; shapes follow the weights' (checked)
 
     def sources(self):
         return self.weight_source_of.keys()
@@ -144,6 +172,20 @@ class DerivedExpertLayouts(RankValues):
 
     def takers(self, source: str, isz: int) -> tuple:
         return self.takers_of(self.weight_source_of[source])
+
+    def takers_inputs(self, tensors: dict, sources: list[str] | None = None) -> tuple | None:
+        """As ExpertLayouts.takers_inputs, from the weight sources' and the mapping."""
+        whole = sources is None
+        weight_sources = list(map(self.weight_source_of.__getitem__, self.weight_source_of if whole else sources))
+        in_order = whole and weight_sources == list(self.weight.slots)   # one scale per weight source, alike
+        weights = self.weight.takers_inputs(tensors, None if in_order else weight_sources)
+        if weights is None:
+            return None
+        key, value = weights
+        if in_order:
+            return ("derived", key, self.mapping), (value, self.dtype)
+        mine = self.weight_source_of if whole else sources
+        return ("derived", key, self.mapping), (value, tuple(map(_DTYPE_AND_SHAPE, map(tensors.__getitem__, mine))))
 
 
 def _shares_read_off(lays: RankValues, holders: list[int], source: str) -> list[Share]:

@@ -9,6 +9,8 @@ of the placement's period: expert groups that host the same experts share the va
 
 from __future__ import annotations
 
+import operator
+
 from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
@@ -20,6 +22,8 @@ from .shard import HEAD_STYLES, LocalLayout, Part, cut, view2d
 from .transpose import stored_layout
 from .ranks import RankValues
 from .types import ParamSpec, Target
+
+_SHAPE_AND_DTYPE = operator.attrgetter("shape", "dtype")   # of a checkpoint entry: how an expert's sources look
 
 
 def local_shape(style: str, global_shape: tuple[int, ...], lay: LocalLayout) -> tuple[int, ...]:
@@ -83,7 +87,8 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
 
 
 def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_experts: int, where: str):
-    """(per expert its logical parts, the shape of one expert), checked: every expert has one shape."""
+    """(per expert its logical parts, the shape of one expert, whether every expert's sources have expert 0's dtypes
+    and shapes), checked: every expert has one shape."""
     if target.rule.stacked:
         (src,) = target.sources
         shape = oriented_shape(index[src].shape, target.rule.transposed, stacked=True)
@@ -94,7 +99,7 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
         # Every expert is the same rows of one source, rows_per further down: expert 0's parts, shifted.
         parts0 = logical_parts(target, [src], index, rules, config, row0=0, rows=rows_per)
         return [[Part(q.source, q.row0 + e * rows_per, q.rows, q.cols) for q in parts0]
-                for e in range(num_experts)], shape[1:]
+                for e in range(num_experts)], shape[1:], False
     per_expert_parts, cut_anew = _per_expert_parts(target, index, rules, config, num_experts)
     one_expert = (sum(p.rows for p in per_expert_parts[0]),) + \
         oriented_shape(index[target.sources[0]].shape, target.rule.transposed)[1:]
@@ -105,7 +110,7 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
     if odd:
         raise PlanError(f"{where}: experts {odd} have part shapes {sizes_of(odd[0])} but expert 0 has "
                         f"{sizes_of(0)}; every expert must have one shape (the checkpoint contradicts itself)")
-    return per_expert_parts, one_expert
+    return per_expert_parts, one_expert, not cut_anew
 
 
 def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict,
@@ -116,13 +121,13 @@ def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict,
     sources0 = target.expert_sources[0]
     parts0 = logical_parts(target, list(sources0), index, rules, config)
     position = {s: k for k, s in enumerate(sources0)}
-    look = [(tuple(index[s].shape), index[s].dtype) for s in sources0]
+    look = list(map(_SHAPE_AND_DTYPE, map(index.__getitem__, sources0)))
     if len(position) != len(sources0):   # a source named twice: no positional renaming
         look = None
     out, anew = [parts0], []
     for e in range(1, num_experts):
         sources = target.expert_sources[e]
-        if look is not None and [(tuple(index[s].shape), index[s].dtype) for s in sources] == look:
+        if look is not None and list(map(_SHAPE_AND_DTYPE, map(index.__getitem__, sources))) == look:
             out.append([Part(sources[position[q.source]], q.row0, q.rows, q.cols) for q in parts0])
         else:
             out.append(logical_parts(target, list(sources), index, rules, config))
@@ -139,7 +144,7 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     num_experts = rules.dim(config, "experts")
     g = placement.group_size
     where = f"{target.name} (rule expert/{rule.inner} in {rules.source})"
-    per_expert_parts, one_expert = _expert_parts(target, index, rules, config, num_experts, where)
+    per_expert_parts, one_expert, alike = _expert_parts(target, index, rules, config, num_experts, where)
     inner = effective_style(rule.inner, len(one_expert))
     vector = vector_experts(target, index)   # [experts, n] as stored, cut as [experts, n, 1]
     global_shape = (num_experts,) + tuple(one_expert[:1] if vector else one_expert)
@@ -173,7 +178,8 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
             spec = made_specs[k, shape, padding] = ParamSpec(target.name, "expert", dtype, global_shape, shape,
                                                              padding, None, hosts)
         return spec
-    lays = ExpertLayouts(target.name, cuts, placement, layout_of, exact=not restore)
+    look = tuple((index[q.source].dtype, tuple(index[q.source].shape)) for q in per_expert_parts[0]) if alike else None
+    lays = ExpertLayouts(target.name, cuts, placement, layout_of, exact=not restore, look=look)
     lays.value(0)   # what could fail in making a value (restoring the stored orientation) fails while planning
     return RankValues((), layout.world, make=spec_of, period=placement.period), lays
 

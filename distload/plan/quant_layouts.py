@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 from ..errors import PlanError
 from ..dtypes import itemsize
@@ -18,6 +19,8 @@ from .quant import Companion, Scheme
 from .ranks import RankValues, per_group, unzipped
 from .shard import LocalLayout, Piece, view2d
 from .types import ParamSpec
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")   # of a checkpoint entry
 
 def companion_layouts(c: Companion, target, weight_specs: RankValues, weight_lays: RankValues, tensors: dict,
                       scheme: Scheme, group: int, relayout) -> tuple[RankValues, RankValues]:
@@ -151,20 +154,10 @@ class _BlockGrid:
 def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, scheme: Scheme, group: int, relayout):
     block = scheme.block
     scale_of = dict(c.scale_of)
-    wants: dict[tuple, tuple] = {}   # per weight shape (every expert's is one)
-    for w_src, s_src in c.scale_of:
-        shape = tuple(tensors[w_src].shape)
-        want = wants.get(shape) or wants.setdefault(shape, block_scale_shape(shape, block))
-        if tuple(tensors[s_src].shape) != want:
-            raise PlanError(f"{s_src}: shape {list(tensors[s_src].shape)}, but {w_src} {list(tensors[w_src].shape)} "
-                            f"with block {list(block)} ({scheme.where}) needs {list(want)}; the block size in "
-                            f"config.json does not match the checkpoint")
-    dtypes = sorted({tensors[s].dtype for s in c.sources})
+    _check_scale_shapes(c, tensors, block, scheme.where)
+    dtypes = sorted(set(map(_DTYPE, map(tensors.__getitem__, c.sources))))
     if len(dtypes) > 1:
         raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
-    distinct = list(dict.fromkeys(c.sources))
-    rows = sum(view2d(tuple(tensors[s].shape))[0] for s in distinct)
-    cols = view2d(tuple(tensors[distinct[0]].shape))[1]
     grid = _BlockGrid(scale_of, tensors, block)
     specs: dict[int, tuple[ParamSpec, int, int]] = {}   # per weight spec (shared by many ranks): its scale's
 
@@ -175,21 +168,40 @@ def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, sch
             local = block_scale_shape(w.local_shape, block)
             if w.style == "expert":
                 glob = (w.global_shape[0],) + block_scale_shape(w.global_shape[1:], block)
-            else:
-                glob = (rows, cols)
+            else:   # the scales of the weight's parts, stacked
+                distinct = list(dict.fromkeys(c.sources))
+                glob = (sum(view2d(tuple(tensors[s].shape))[0] for s in distinct),
+                        view2d(tuple(tensors[distinct[0]].shape))[1])
             made = specs[id(w)] = (ParamSpec(c.name, w.style, dtypes[0], glob, local, experts=w.experts),
                                    *view2d(local))
         spec, local_rows, local_cols = made
         return spec, LocalLayout(local_rows, local_cols, pieces)
     try:
         if isinstance(weight_lays, ExpertLayouts):
-            return _lazy_expert_scales(c, weight_specs, weight_lays, scales, tensors, block)
+            return _lazy_expert_scales(c, weight_specs, weight_lays, scales, tensors, block, dtypes[0])
         return unzipped(per_group(scales, weight_lays, weight_specs))
     except _SplitBlock as split:
         raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
 
 
-def _lazy_expert_scales(c: Companion, weight_specs, weight_lays: ExpertLayouts, scales, tensors: dict, block):
+def _check_scale_shapes(c: Companion, tensors: dict, block, where: str) -> None:
+    """PlanError at the first scale whose shape is not its weight's block grid. Shapes are compared as lists, once
+    per distinct weight shape (every expert's is one): a companion may hold every expert of a layer."""
+    weights, scales = zip(*c.scale_of)
+    weight_shapes = list(map(tuple, map(_SHAPE, map(tensors.__getitem__, weights))))
+    wants = {shape: block_scale_shape(shape, block) for shape in set(weight_shapes)}
+    if list(map(tuple, map(_SHAPE, map(tensors.__getitem__, scales)))) == list(map(wants.__getitem__, weight_shapes)):
+        return
+    for w_src, s_src in c.scale_of:
+        want = wants[tuple(tensors[w_src].shape)]
+        if tuple(tensors[s_src].shape) != want:
+            raise PlanError(f"{s_src}: shape {list(tensors[s_src].shape)}, but {w_src} {list(tensors[w_src].shape)} "
+                            f"with block {list(block)} ({where}) needs {list(want)}; the block size in "
+                            f"config.json does not match the checkpoint")
+
+
+def _lazy_expert_scales(c: Companion, weight_specs, weight_lays: ExpertLayouts, scales, tensors: dict, block,
+                        dtype: str):
     """An expert weight's block scales, per rank when asked (expert_layouts.py). Every expert has one geometry,
     so the ranks of one (rank in group, number of hosted experts) are checked now, one each: what a split block
     or an untiled grid would refuse fails while planning. A scale source's takers are its weight source's, each
@@ -223,7 +235,8 @@ def _lazy_expert_scales(c: Companion, weight_specs, weight_lays: ExpertLayouts, 
             known = mapped[key] = tuple(out)
         return known
     return (RankValues((), weight_specs.world, make=lambda i: pair(i)[0], period=weight_lays.period),
-            DerivedExpertLayouts(c.name, weight_lays, {s: w for w, s in c.scale_of}, lambda i: pair(i)[1], takers_of))
+            DerivedExpertLayouts(c.name, weight_lays, {s: w for w, s in c.scale_of}, lambda i: pair(i)[1], takers_of,
+                                 ("block scales", bn, bk), dtype))
 
 
 def _split_error(c: Companion, target, split: _SplitBlock, tensors, scheme: Scheme, group: int, relayout) -> PlanError:

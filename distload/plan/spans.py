@@ -83,9 +83,21 @@ class _Cursor:
 
 class Elsewhere(NamedTuple):
     """A source that other blocks alone take and read, in place of its Source in a rank's plan: per row segment,
-    the nodes that take it and its bytes (what the job-wide quotas and the few-nodes choices count)."""
+    the nodes that take it and its bytes (what the job-wide quotas and the few-nodes choices count). fixed: each
+    segment one node's, so its bytes go to that node whatever was read before (see merged_run)."""
     segments: tuple[tuple[frozenset, int], ...]
     nbytes: int
+    fixed: bool = False
+
+
+def merged_run(run) -> Elsewhere:
+    """One Elsewhere for a run of fixed ones, (Elsewhere, times) each, with no source planned between them: their
+    bytes add to the same nodes in any order, and reader_spans counts one entry, not one per expert tensor."""
+    per_nodes: dict[frozenset, int] = {}
+    for gone, times in run:
+        for nodes, nbytes in gone.segments:
+            per_nodes[nodes] = per_nodes.get(nodes, 0) + times * nbytes
+    return Elsewhere(tuple(per_nodes.items()), sum(gone.nbytes * times for gone, times in run), True)
 
 
 def block_nodes(layout: Layout) -> int:
@@ -145,7 +157,7 @@ def away(takers: tuple, rows: int, row_bytes: int, local_world: int, reader_node
         if block is None or block == home:
             return None
         segments.append((nodes, (b - a) * row_bytes))
-    return Elsewhere(tuple(segments), rows * row_bytes)
+    return Elsewhere(tuple(segments), rows * row_bytes, all(len(nodes) == 1 for nodes, _ in segments))
 
 
 def _own_block(nodes: frozenset, reader_nodes, per_block: int) -> int | None:
