@@ -68,6 +68,11 @@ class ExpertCuts:
 
     def slots_by_source(self) -> dict[str, tuple[tuple[int, int, int], ...]]:
         """Per source, where experts take it: (expert, part index, row shift)."""
+        each = [(source, ((e, j, shift),)) for e, moves in enumerate(self.moves)
+                for j, (source, shift) in enumerate(moves)]
+        once = dict(each)
+        if len(once) == len(each):   # the usual: every (expert, part) its own source
+            return once
         out: dict[str, list] = {}
         for e, moves in enumerate(self.moves):
             for j, (source, shift) in enumerate(moves):

@@ -125,10 +125,12 @@ def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict,
     if len(position) != len(sources0):   # a source named twice: no positional renaming
         look = None
     out, anew = [parts0], []
+    renamed = [(position[q.source], q.row0, q.rows, q.cols) for q in parts0]
+    new = tuple.__new__   # a Part per expert source of the job: the tuple's own constructor
     for e in range(1, num_experts):
         sources = target.expert_sources[e]
         if look is not None and list(map(_SHAPE_AND_DTYPE, map(index.__getitem__, sources))) == look:
-            out.append([Part(sources[position[q.source]], q.row0, q.rows, q.cols) for q in parts0])
+            out.append([new(Part, (sources[k], row0, rows, cols)) for k, row0, rows, cols in renamed])
         else:
             out.append(logical_parts(target, list(sources), index, rules, config))
             anew.append(e)
