@@ -23,13 +23,13 @@ from .digest import inputs_digest
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_placement
 from .layouts import Planned, layouts_for_target, relayout
-from .other_blocks import Away, elsewhere_in_bulk, geometry as source_geometry
+from .other_blocks import Away, elsewhere_in_bulk
 from .spans import Elsewhere, block_nodes, merged_run, reader_spans
 from .targets import expand_targets, match_checkpoint
 from .ranks import RankSpecs, RankValues
 from .expert_layouts import lazily_shared
 from .source_shares import SourceShares, share_takers, takers_broadcast
-from .types import LoadPlan, ParamSpec, Share, Source, interned
+from .types import LoadPlan, ParamSpec, Share, Source, geometry as source_geometry, interned
 
 
 @collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
@@ -209,7 +209,7 @@ def _sources(shares: dict[str, list], tensors: dict, layout: Layout, per_node: f
         shape = tuple(e.shape)
         geometry = geometries.get((e.dtype, shape))
         if geometry is None:
-            geometry = geometries[e.dtype, shape] = source_geometry(e)
+            geometry = geometries[e.dtype, shape] = source_geometry(shape, e.dtype)
         rows, row_bytes, _, isz = geometry
         lone = ss[0] if len(ss) == 1 else None
         if lone is not None and type(lone) is not Share:   # one param's layouts make the shares (expert sources)

@@ -92,7 +92,7 @@ class ExpertLayouts(RankValues):
         self.param, self.cuts, self.placement, self.exact = param, cuts, placement, exact
         self.slots = cuts.slots_by_source()
         self._template_id = placement.memo.setdefault(("templates", cuts.templates), len(placement.memo))
-        # Every (expert, part) its own source, unshifted, with the dtype and shape `look` names per part: what
+        # Every (expert, part) its own source, unshifted, with the shape and dtype `look` names per part: what
         # `takers` and the sources' geometry depend on is then these few values (takers_inputs).
         moves = cuts.moves
         one_each = look is not None and len(self.slots) == len(moves) * len(look) and \

@@ -87,8 +87,8 @@ def _dense_layouts(target: Target, index, rules: FamilyRules, config: dict, layo
 
 
 def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_experts: int, where: str):
-    """(per expert its logical parts, the shape of one expert, whether every expert's sources have expert 0's dtypes
-    and shapes), checked: every expert has one shape."""
+    """(per expert its logical parts, the shape of one expert, and per part the shape and dtype of its source when
+    every expert's sources look like expert 0's, else None), checked: every expert has one shape."""
     if target.rule.stacked:
         (src,) = target.sources
         shape = oriented_shape(index[src].shape, target.rule.transposed, stacked=True)
@@ -99,8 +99,8 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
         # Every expert is the same rows of one source, rows_per further down: expert 0's parts, shifted.
         parts0 = logical_parts(target, [src], index, rules, config, row0=0, rows=rows_per)
         return [[Part(q.source, q.row0 + e * rows_per, q.rows, q.cols) for q in parts0]
-                for e in range(num_experts)], shape[1:], False
-    per_expert_parts, cut_anew = _per_expert_parts(target, index, rules, config, num_experts)
+                for e in range(num_experts)], shape[1:], None
+    per_expert_parts, cut_anew, look = _per_expert_parts(target, index, rules, config, num_experts)
     one_expert = (sum(p.rows for p in per_expert_parts[0]),) + \
         oriented_shape(index[target.sources[0]].shape, target.rule.transposed)[1:]
 
@@ -110,14 +110,14 @@ def _expert_parts(target: Target, index, rules: FamilyRules, config: dict, num_e
     if odd:
         raise PlanError(f"{where}: experts {odd} have part shapes {sizes_of(odd[0])} but expert 0 has "
                         f"{sizes_of(0)}; every expert must have one shape (the checkpoint contradicts itself)")
-    return per_expert_parts, one_expert, not cut_anew
+    return per_expert_parts, one_expert, look
 
 
 def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict,
-                      num_experts: int) -> tuple[list[list[Part]], list[int]]:
-    """Each expert's logical parts, and the experts cut anew. Parts depend on the sources' shapes and dtypes only,
-    so an expert whose sources look like expert 0's has expert 0's parts on its own sources; any other is cut
-    (and checked) anew."""
+                      num_experts: int) -> tuple[list[list[Part]], list[int], tuple | None]:
+    """Each expert's logical parts, the experts cut anew, and (none cut anew) per part of expert 0 its source's
+    shape and dtype. Parts depend on the sources' shapes and dtypes only, so an expert whose sources look like
+    expert 0's has expert 0's parts on its own sources; any other is cut (and checked) anew."""
     sources0 = target.expert_sources[0]
     parts0 = logical_parts(target, list(sources0), index, rules, config)
     position = {s: k for k, s in enumerate(sources0)}
@@ -134,7 +134,7 @@ def _per_expert_parts(target: Target, index, rules: FamilyRules, config: dict,
         else:
             out.append(logical_parts(target, list(sources), index, rules, config))
             anew.append(e)
-    return out, anew
+    return out, anew, None if anew or look is None else tuple(look[k] for k, *_ in renamed)
 
 
 def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, layout: Layout, placement,
@@ -146,7 +146,7 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
     num_experts = rules.dim(config, "experts")
     g = placement.group_size
     where = f"{target.name} (rule expert/{rule.inner} in {rules.source})"
-    per_expert_parts, one_expert, alike = _expert_parts(target, index, rules, config, num_experts, where)
+    per_expert_parts, one_expert, look = _expert_parts(target, index, rules, config, num_experts, where)
     inner = effective_style(rule.inner, len(one_expert))
     vector = vector_experts(target, index)   # [experts, n] as stored, cut as [experts, n, 1]
     global_shape = (num_experts,) + tuple(one_expert[:1] if vector else one_expert)
@@ -180,7 +180,6 @@ def _expert_layouts(target: Target, index, rules: FamilyRules, config: dict, lay
             spec = made_specs[k, shape, padding] = ParamSpec(target.name, "expert", dtype, global_shape, shape,
                                                              padding, None, hosts)
         return spec
-    look = tuple((index[q.source].dtype, tuple(index[q.source].shape)) for q in per_expert_parts[0]) if alike else None
     lays = ExpertLayouts(target.name, cuts, placement, layout_of, exact=not restore, look=look)
     lays.value(0)   # what could fail in making a value (restoring the stored orientation) fails while planning
     return RankValues((), layout.world, make=spec_of, period=placement.period), lays

@@ -8,17 +8,9 @@ layer's sources, one takers lookup and away test each, is copied to the next ali
 
 from __future__ import annotations
 
-from ..dtypes import itemsize
 from ..topology import Layout
-from .shard import view2d
 from .spans import Elsewhere, away, block_nodes
-
-
-def geometry(entry) -> tuple[int, int, int, int]:
-    """A source's (rows, bytes per row, bytes, itemsize) as its 2-D view."""
-    rows, cols = view2d(tuple(entry.shape))
-    isz = itemsize(entry.dtype)
-    return rows, cols * isz, rows * cols * isz, isz
+from .types import geometry
 
 
 class Away:
@@ -57,7 +49,8 @@ def elsewhere_in_bulk(lazy_layouts, shares: dict[str, list], tensors: dict, deci
         if known is None or known[0] != value:
             decided = []
             for s in sources:
-                rows, row_bytes, _, isz = geometry(tensors[s])
+                e = tensors[s]
+                rows, row_bytes, _, isz = geometry(e.shape, e.dtype)
                 decided.append(decide(lays.takers(s, isz), rows, row_bytes))
             known = earlier[key] = (value, decided)
         out.update(zip(sources, known[1]))

@@ -84,12 +84,11 @@ class Source:
     # these are not fields (equality, hashing and repr ignore them). Set eagerly: functools.cached_property's
     # first access takes a lock (Python 3.11) and costs more than the arithmetic.
     def __post_init__(self):
-        rows, cols = view2d(self.shape)
-        isz = itemsize(self.dtype)
+        rows, row_bytes, nbytes, isz = geometry(self.shape, self.dtype)
         # takers: per share (first row, end row, bytes per row, group) as plain values, which the chunk loops of
         # buckets.py and spans.py walk for every chunk and share of the whole checkpoint.
         takers = self.shares.takers if isinstance(self.shares, SourceShares) else share_takers(self.shares, isz)
-        self.__dict__.update(rows=rows, row_bytes=cols * isz, nbytes=rows * cols * isz, takers=interned(takers))
+        self.__dict__.update(rows=rows, row_bytes=row_bytes, nbytes=nbytes, takers=interned(takers))
 
     @classmethod
     def planned(cls, name: str, file: str, offset: int, dtype: str, shape: tuple, shares, broadcast: bool,
@@ -107,6 +106,13 @@ class Source:
     def deliveries(self) -> tuple[Delivery, ...]:
         """Every member's piece, one Delivery each: O(world), for tools and tests (planning uses shares)."""
         return tuple(Delivery(r, s.param, s.piece) for s in self.shares for r in s.ranks.members())
+
+
+def geometry(shape, dtype: str) -> tuple[int, int, int, int]:
+    """A source's (rows, bytes per row, bytes, itemsize) as its 2-D view."""
+    rows, cols = view2d(tuple(shape))
+    isz = itemsize(dtype)
+    return rows, cols * isz, rows * cols * isz, isz
 
 
 def made(cls, **fields):
