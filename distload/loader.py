@@ -132,9 +132,10 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     clock.lap("discover")
 
     def plan_within_timeout():
-        # Each rank plans its block's part (build_plan's rank mode); a sharded save's manifest names every source.
+        # Each rank plans its block's part (build_plan's rank mode), sharded saves too: their manifest lists the
+        # original tensors from plan.received and each rank's params from the records rank 0 gathers.
         with within(options.timeout_s, "planning"):
-            return source.plan(found, topo.layout, rank=None if options.save_sharded else rank)
+            return source.plan(found, topo.layout, rank=rank)
 
     plan = run_phase("planning", plan_within_timeout, digest=plan_digest)
     specs = plan.specs[rank]

@@ -368,19 +368,22 @@ def _gather_records_of_every_size() -> list:
     import torch.distributed as dist
 
     from distload.transfer import all_gather_objects
+    from distload.transfer.collectives import gather_objects
 
     rank = dist.get_rank()
     small = all_gather_objects({"rank": rank, "names": [f"p{i}" for i in range(rank)]})
     # one rank's record does not fit the fixed slot (16 KiB): everyone takes the second, sized round
     mixed = all_gather_objects(["x" * (40_000 if rank == 1 else 3), rank])
-    return [small, mixed]
+    to_one = gather_objects(["x" * (40_000 if rank == 1 else 3), rank], dst=2)   # rank 2 alone receives them
+    return [small, mixed, to_one]
 
 
 def test_records_are_gathered_whole_whatever_their_size():
     results = run_ranks(3, _gather_records_of_every_size)
     want_small = [{"rank": r, "names": [f"p{i}" for i in range(r)]} for r in range(3)]
     want_mixed = [["x" * (40_000 if r == 1 else 3), r] for r in range(3)]
-    assert all(r == [want_small, want_mixed] for r in results), results[0]
+    assert all(r[:2] == [want_small, want_mixed] for r in results), results[0]
+    assert [r[2] for r in results] == [None, None, want_mixed]
 
 
 def _load_as_two_nodes(checkpoints: dict, moe_path: str) -> dict:
@@ -401,21 +404,27 @@ def _load_as_two_nodes(checkpoints: dict, moe_path: str) -> dict:
         reports[fam] = result.report
     # Experts: ep 2 puts experts 0-1 on node 0 and 2-3 on node 1, read there; the same bytes as one node
     # loads (tests/test_moe.py checks those against the oracle).
-    two = distload.load(moe_path, tp=4, ep=2, staging_mib=1, progress=False)
+    # A sharded save plans as the load does (a rank's part), yet its manifest lists the whole job: the same as the
+    # one-node save's, whose plan is the whole job's; and it reloads on the two nodes as saved.
+    saves = [f"{moe_path}-saved-{nodes}" for nodes in (2, 1)]
+    two = distload.load(moe_path, tp=4, ep=2, staging_mib=1, progress=False, save_sharded=saves[0])
     reports["mixtral"] = two.report
+    reloaded = distload.load(saves[0], tp=4, ep=2, staging_mib=1, progress=False)
+    problems += differences(reloaded.params, two.params, f"mixtral ep2 2 nodes reloaded rank{rank}")
     os.environ.update(LOCAL_WORLD_SIZE="4", GROUP_RANK="0", LOCAL_RANK=str(rank))
-    one = distload.load(moe_path, tp=4, ep=2, staging_mib=1, progress=False)
+    one = distload.load(moe_path, tp=4, ep=2, staging_mib=1, progress=False, save_sharded=saves[1])
     problems += differences(two.params, one.params, f"mixtral ep2 2 nodes vs 1 node rank{rank}")
+    manifests = [(Path(out) / "manifest.json").read_text() for out in saves]
     # Each rank planned its node's part: the other node's experts are not in its plan (plan/build.py rank mode).
     return {"problems": problems, "reports": reports, "part": (two.plan.planned_for, len(two.plan.sources)),
-            "one_node_part": (one.plan.planned_for, len(one.plan.sources))}
+            "one_node_part": (one.plan.planned_for, len(one.plan.sources)), "manifests": manifests}
 
 
 def test_two_nodes_keep_column_rows_on_their_node(dense_checkpoints, tmp_path):
     """Real gloo ranks as 2 nodes: every rank holds exactly the oracle's shard; each byte is read once by the
     job; a node's ranks receive from the other node only what the plan says crosses, well under what they keep."""
     import distload
-    from hf_models import save_checkpoint
+    from hf_models import checkpoint_tensors, save_checkpoint
 
     moe_path = str(save_checkpoint("mixtral", tmp_path / "mixtral"))
     results = run_ranks(4, _load_as_two_nodes, dense_checkpoints, moe_path)
@@ -423,6 +432,9 @@ def test_two_nodes_keep_column_rows_on_their_node(dense_checkpoints, tmp_path):
     assert not problems, "\n".join(problems)
     moe_sources = len(distload.inspect(moe_path, tp=4, ep=2, world=4, local_world=2).sources)
     assert [r["part"][0] for r in results] == [0, 1, 2, 3], results
+    two_nodes, one_node = results[0]["manifests"]
+    assert two_nodes.replace(f"{moe_path}-saved-2", "SAVE") == one_node.replace(f"{moe_path}-saved-1", "SAVE")
+    assert set(json.loads(two_nodes)["checkpoint_tensors"]) == set(checkpoint_tensors(moe_path))
     assert all(r["part"][1] < moe_sources and r["one_node_part"] == (None, moe_sources) for r in results), results
     for fam, report in results[0]["reports"].items():
         path = moe_path if fam == "mixtral" else dense_checkpoints[fam]

@@ -76,6 +76,9 @@ def test_a_rank_does_with_its_own_plan_what_the_whole_plan_says(layout_name, sta
         assert (mine.post[rank] if mine.post else ()) == (whole.post[rank] if whole.post else ())
         assert (mine.checkpoint_bytes, mine.digest) == (whole.checkpoint_bytes, whole.digest)
         assert set(mine.sources) <= set(whole.sources)
+        # What a sharded save lists as the original checkpoint: every source of the job, whatever the rank planned.
+        assert {e.name: (e.dtype, tuple(e.shape)) for e in mine.received} == \
+            {s.name: (s.dtype, tuple(s.shape)) for s in whole.sources.values()}
         assert all(mine.sources[n] == whole.sources[n] for n in mine.sources)
         # The node's readers plan their own buckets alike (same numbers): what a reader sends its node's ranks.
         node_buckets = {b.index for b in mine.buckets if layout.same_node(b.reader, rank)}

@@ -110,7 +110,8 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
                     ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in planned_sources),
                     notes=tuple(notes),
                     staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization,
-                    digest=digest, planned_for=None if home is None else rank, block_own_from=block_own_from)
+                    digest=digest, planned_for=None if home is None else rank, block_own_from=block_own_from,
+                    received=tuple(map(index.__getitem__, shares)))
 
 
 def _buckets(sources: list, layout: Layout, staging_bytes: int, home: int | None) -> tuple[tuple, int]:

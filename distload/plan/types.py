@@ -214,6 +214,9 @@ class LoadPlan:
     # Buckets numbered from here carry rows one block alone takes (spans.py's second phase): each reader reads
     # its job-wide buckets in file order, then its block-own ones in file order. None: every bucket is job-wide.
     block_own_from: int | None = None
+    # Every checkpoint tensor some rank of the job receives (index entries: name, dtype, shape), other blocks' too:
+    # what a sharded save's manifest lists as the original, which a rank's plan cannot take from its sources.
+    received: tuple = field(default=(), compare=False, repr=False)
 
     def owned_bytes(self, rank: int) -> int:
         """Checkpoint bytes of the pieces delivered to `rank` (what it reads itself with owner reads)."""

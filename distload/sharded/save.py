@@ -16,7 +16,6 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import struct
@@ -25,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from ..dtypes import TORCH_TO_SAFETENSORS, itemsize
+from ..dtypes import TORCH_TO_SAFETENSORS
 from ..errors import CheckpointError
 from ..plan.reshard import rank_file
-from ..transfer import all_gather_objects, broadcast_object
+from ..transfer import broadcast_object
+from ..transfer.collectives import count_over_ranks, gather_objects
 from ..transfer.agreement import run_phase
 from ..report import stage_fields as rank_stage
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, byte_view, hidden, siblings
@@ -96,17 +96,20 @@ def save_sharded(out: str | os.PathLike, rank: int, params: dict[str, torch.Tens
     a reload passes the manifest's, since its plan reads rank files."""
     out = Path(out).absolute()
     world = plan.layout.world
+    mine = {n: t for n, t in params.items() if not specs[n].alias_of}
     token = broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, src=0)
     tmp = hidden(out, "tmp", token)
+    # The save's size: each rank's own bytes, added up in one all-reduce (a rank's plan need not list other
+    # blocks' params, and summing every rank's specs would cost rank 0 the whole job's).
+    needed = count_over_ranks(sum(t.numel() * t.element_size() for t in mine.values()))
 
     def prepare() -> None:
-        check_free_space(out, saved_bytes(plan))
+        check_free_space(out, needed)
         prepare_directory(out, tmp)
 
     run_phase("save-sharded (prepare)", named_os_errors(out, prepare) if rank == 0 else lambda: None)
 
     def write() -> dict:
-        mine = {n: t for n, t in params.items() if not specs[n].alias_of}
         written = _write_rank_file(tmp / rank_file(rank, world), mine,
                                    {"format": FORMAT, "rank": str(rank), "world_size": str(world)})
         return {n: {"local_shape": list(t.shape), **written[n],
@@ -115,8 +118,8 @@ def save_sharded(out: str | os.PathLike, rank: int, params: dict[str, torch.Tens
 
     def commit(records: list[dict]) -> None:
         tensors = checkpoint_tensors
-        if tensors is None:
-            tensors = {s.name: {"dtype": s.dtype, "shape": list(s.shape)} for s in plan.sources.values()}
+        if tensors is None:   # every tensor some rank received, other blocks' too (a rank's plan lacks their sources)
+            tensors = {e.name: {"dtype": e.dtype, "shape": list(e.shape)} for e in plan.received}
         part = tmp / f"{MANIFEST}.part"
         part.write_text(json.dumps(_manifest(plan, specs, records, hf_config, source, tensors), indent=1,
                                    sort_keys=True))
@@ -126,19 +129,14 @@ def save_sharded(out: str | os.PathLike, rank: int, params: dict[str, torch.Tens
         _swap_into_place(tmp, out, token)
 
     try:
-        records = all_gather_objects(run_phase("save-sharded (write)", named_os_errors(out, write)))
+        # Only rank 0 writes the manifest: it alone receives the ranks' records.
+        records = gather_objects(run_phase("save-sharded (write)", named_os_errors(out, write)))
         run_phase("save-sharded (commit)", named_os_errors(out, lambda: commit(records) if rank == 0 else None))
     finally:
         # Whatever failed, no half-written directory stays behind (after the swap, tmp holds the old save).
         if rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def saved_bytes(plan) -> int:
-    """The bytes every rank's file of the save holds (aliases are stored once)."""
-    return sum(math.prod(spec.local_shape) * itemsize(spec.dtype)
-               for specs in plan.specs for spec in specs.values() if not spec.alias_of)
 
 
 def check_free_space(out: Path, needed: int) -> None:

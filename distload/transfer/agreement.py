@@ -172,8 +172,12 @@ def agree_on_planning(error: BaseException | None, plan, digest=plan_digest, pha
 
 
 def verdict_everywhere(phase: str, scan, verdict) -> None:
-    """Each rank runs `scan` (a phase); what every rank found makes one verdict (a message, None: fine),
-    raised identically on every rank as a CheckpointError."""
-    message = verdict(all_gather_objects(run_phase(phase, scan)))
+    """Each rank runs `scan` (a phase) for its findings (a list, empty: nothing found); what every rank found makes
+    one verdict (a message, None: fine), raised identically on every rank as a CheckpointError. When no rank found
+    anything, one all-reduce says so; the findings themselves travel only when there are some."""
+    found = run_phase(phase, scan)
+    if count_over_ranks(1 if found else 0) == 0:
+        return
+    message = verdict(all_gather_objects(found))
     if message is not None:
         raise CheckpointError(message)

@@ -118,6 +118,27 @@ def all_gather_objects(obj) -> list:
 
 
 
+def gather_objects(obj, dst: int = 0) -> list | None:
+    """Every rank's picklable `obj` in rank order on rank `dst`, None on the others: what one rank alone needs
+    (a sharded save's manifest) costs each other rank one send, where an all-gather would hand every rank every
+    record. Two collectives: the longest record's size (all-reduce), then one gather of records that long."""
+    if not active():
+        return [obj]
+    dev = object_device()
+    data = pickle.dumps(obj)
+    longest = max_over_ranks([len(data)])[0]
+    mine = torch.zeros(8 + longest, dtype=torch.uint8, device=dev)
+    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    here = dist.get_rank() == dst
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if here else None
+    dist.gather(mine, out, dst=dst)
+    if not here:
+        return None
+    every = [o.cpu() for o in out]
+    return [pickle.loads(o[8:8 + int(o[:8].view(torch.int64).item())].numpy().tobytes()) for o in every]
+
+
 def count_over_ranks(flag: int) -> int:
     """The sum of one small integer over every rank (e.g. how many ranks failed): one all-reduce."""
     if not active():
