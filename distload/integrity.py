@@ -186,12 +186,13 @@ def _flat_bytes(out) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def checksum_verdict(per_rank: list[list[str]], root: str) -> str | None:
-    """One message for every reader's findings (identical on every rank), or None when all files match."""
-    problems = sorted({p for found in per_rank for p in found})
+def checksum_verdict(by_rank: dict[int, list[str]], ranks: int, root: str) -> str | None:
+    """One message for the readers' findings (by rank: the first few of the `ranks` that found any; identical on
+    every rank), or None when all files match."""
+    problems = sorted({p for found in by_rank.values() for p in found})
     if not problems:
         return None
-    return f"--verify-checksums: {root}: " + "; ".join(problems)
+    return f"--verify-checksums: {root}: " + "; ".join(problems) + _unnamed(ranks - len(by_rank))
 
 
 def nonfinite(params: dict[str, torch.Tensor], specs: dict) -> list[tuple[str, int, int]]:
@@ -218,9 +219,14 @@ def nonfinite(params: dict[str, torch.Tensor], specs: dict) -> list[tuple[str, i
     return out
 
 
-def finite_verdict(per_rank: list[list[tuple[str, int, int]]]) -> str | None:
-    """One message for every rank's scan (identical everywhere), or None when every value is finite."""
-    bad = [(r, name, nan, inf) for r, found in enumerate(per_rank) for name, nan, inf in found]
+def _unnamed(ranks: int) -> str:
+    return f" (and what {ranks} more rank(s) found: each prints it)" if ranks > 0 else ""
+
+
+def finite_verdict(by_rank: dict[int, list[tuple[str, int, int]]], ranks: int) -> str | None:
+    """One message for the ranks' scans (by rank: the first few of the `ranks` that found any; identical
+    everywhere), or None when every value is finite."""
+    bad = [(r, name, nan, inf) for r, found in sorted(by_rank.items()) for name, nan, inf in found]
     if not bad:
         return None
     by_param: dict[str, list[int]] = {}
@@ -228,4 +234,5 @@ def finite_verdict(per_rank: list[list[tuple[str, int, int]]]) -> str | None:
         by_param.setdefault(name, []).append(r)
     detail = "; ".join(f"rank {r}: {name} ({nan} NaN, {inf} Inf)" for r, name, nan, inf in bad[:20])
     return (f"--check-finite: non-finite values in {names.describe(sorted(by_param))} ({detail}"
-            f"{'; ...' if len(bad) > 20 else ''}); the checkpoint holds NaN/Inf (a diverged or corrupt save)")
+            f"{'; ...' if len(bad) > 20 else ''}){_unnamed(ranks - len(by_rank))}; the checkpoint holds NaN/Inf "
+            "(a diverged or corrupt save)")

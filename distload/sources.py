@@ -106,7 +106,7 @@ class CheckpointSource:
             return {}
         readers = plan.layout.readers  # the checksums list is there and names every file; hashed as read
         verdict_everywhere("verify-checksums", lambda: listing_problems(found.root, found.files, readers, rank),
-                           lambda found_problems: checksum_verdict(found_problems, found.root))
+                           lambda by_rank, ranks: checksum_verdict(by_rank, ranks, found.root))
         clock.lap("verify-checksums")
         return {}
 
@@ -137,7 +137,7 @@ class CheckpointSource:
         if not self.options.verify_checksums:
             return {}
         verdict_everywhere("verify-checksums", lambda: self.checksum_problems,
-                           lambda found_problems: checksum_verdict(found_problems, found.root))
+                           lambda by_rank, ranks: checksum_verdict(by_rank, ranks, found.root))
         clock.lap("verify-checksums")
         return {}
 

@@ -8,6 +8,7 @@ params are compared with torch.equal, bit for bit; so are the shards written by 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -384,6 +385,54 @@ def test_records_are_gathered_whole_whatever_their_size():
     want_mixed = [["x" * (40_000 if r == 1 else 3), r] for r in range(3)]
     assert all(r[:2] == [want_small, want_mixed] for r in results), results[0]
     assert [r[2] for r in results] == [None, None, want_mixed]
+
+
+def _fail_on_most_ranks() -> list[str]:
+    """Ranks 1-5 of 7 fail a phase, then find something in a verdict: what each rank raises, both times."""
+    import torch.distributed as dist
+
+    from distload.errors import CheckpointError, RankFailure
+    from distload.transfer.agreement import run_phase, verdict_everywhere
+
+    rank, out = dist.get_rank(), []
+
+    def step():
+        if 1 <= rank <= 5:
+            raise RuntimeError(f"boom on {rank}" if rank == 5 else "boom")
+    try:
+        run_phase("demo", step)
+    except (RankFailure, RuntimeError) as exc:
+        out.append(f"{type(exc).__name__}: {exc}")
+    try:
+        verdict_everywhere("scan", lambda: [f"bad {rank}"] if 1 <= rank <= 5 else [],
+                           lambda by_rank, ranks: f"{ranks} ranks, shown {sorted(by_rank.items())}")
+    except CheckpointError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_many_failed_ranks_are_counted_and_a_few_named_alike_everywhere():
+    """A phase that fails on 5 of 7 ranks: every fine rank raises the same message, naming postmortem.DETAILS of
+    them (read from the job's store, not gathered from every rank) and counting the rest; a verdict's findings
+    likewise."""
+    from distload.transfer import postmortem
+
+    import ast
+
+    results = run_ranks(7, _fail_on_most_ranks)
+    assert all(results[r][0] == f"RuntimeError: boom on {r}" if r == 5 else "RuntimeError: boom"
+               for r in range(1, 6)), results
+    failure, verdict = results[0]
+    assert failure.startswith("RankFailure: demo failed on 5 rank(s): "), failure
+    named = [int(r) for r in re.findall(r"rank(?:s)? ([\d, ]+):", failure) for r in r.split(", ")]
+    assert len(named) == postmortem.DETAILS and set(named) <= {1, 2, 3, 4, 5}, failure
+    assert "1 more rank(s) not named here" in failure, failure
+    assert ("boom on 5" in failure) == (5 in named), failure
+    assert verdict.startswith("5 ranks, shown "), verdict
+    shown = ast.literal_eval(verdict.removeprefix("5 ranks, shown "))
+    assert len(shown) == postmortem.DETAILS and all(f == [f"bad {r}"] for r, f in shown), verdict
+    assert results[6] == results[0], results   # the fine ranks say the same
+    assert all(r[1] == verdict for r in results), results
 
 
 def _load_as_two_nodes(checkpoints: dict, moe_path: str) -> dict:

@@ -8,6 +8,7 @@ failed and why.
 from __future__ import annotations
 
 import itertools
+import pickle
 import time
 
 import torch.distributed as dist
@@ -15,23 +16,19 @@ import torch.distributed as dist
 from .. import faults
 from ..errors import CheckpointError, RankFailure
 from . import postmortem
-from .collectives import active, all_gather_objects, count_over_ranks, gather_int64, max_over_ranks
+from .collectives import active, count_over_ranks, gather_int64, max_over_ranks
 
 
-def _failure_records(mine: str | None, digest: int | None = None) -> tuple[list, bool]:
-    """Every rank's failure message (None: fine), and whether the ranks' digests differ (digest given). One
-    small all-reduce when all are fine, as they nearly always are; the messages themselves are gathered
-    only when some rank failed."""
+def _failed_ranks(mine: str | None, digest: int | None = None) -> tuple[int, bool]:
+    """How many ranks failed, and whether the ranks' digests differ (digest given): one small all-reduce. The
+    failed ranks' reasons are in the job's store (_named_failures), never gathered: that would hand every rank
+    every rank's message, world x world in all, on the failure path."""
     if not active():
-        return [mine], False
+        return (0 if mine is None else 1), False
     if digest is None:
-        failed, differ = count_over_ranks(0 if mine is None else 1), False
-    else:
-        failed, high, low = max_over_ranks([0 if mine is None else 1, digest, -digest])
-        differ = high != -low
-    if failed == 0:
-        return [None] * dist.get_world_size(), differ
-    return all_gather_objects(mine), False
+        return count_over_ranks(0 if mine is None else 1), False
+    failed, high, low = max_over_ranks([0 if mine is None else 1, digest, -digest])
+    return failed, high != -low
 
 
 def agree(phase: str, error: BaseException | None, digest: int | None = None) -> bool:
@@ -54,16 +51,26 @@ def agree(phase: str, error: BaseException | None, digest: int | None = None) ->
         _tell_store(step, mine)  # so that peers learn why even if the collective below breaks
         digest = None if digest is None else 0
     try:
-        records, differ = _failure_records(mine, digest)
+        failed, differ = _failed_ranks(mine, digest)
     except Exception as exc:  # a peer died or hung past the timeout during this very step
         raise _postmortem(phase, step, LostPeer(f"agreeing on {phase}", exc)) from exc
-    failures = {r: m for r, m in enumerate(records) if m is not None}
-    if not failures:
+    if not failed:
         return differ
     if error is not None:
         # This rank failed itself: its own exception (type, traceback) is the most useful thing to raise.
         raise error
-    raise rank_failure(phase, failures)
+    raise _named_failures(phase, step, failed)
+
+
+def _named_failures(phase: str, step: int, failed: int) -> RankFailure:
+    """What a rank that was fine raises: the reasons of the first few failed ranks (postmortem.DETAILS), which they
+    posted to the job's store before the all-reduce that counted them, and how many failed. O(1) store reads per
+    rank whatever the world; every rank reads the same slots, so every rank says the same."""
+    try:
+        named = postmortem.causes(dist.distributed_c10d._get_default_store(), step)[0]
+    except Exception:  # the store is gone: the count is all there is (each failed rank prints its own reason)
+        named = {}
+    return rank_failure(phase, named, failed)
 
 
 def run_phase(name: str, fn, *, digest=None):
@@ -85,13 +92,18 @@ def run_phase(name: str, fn, *, digest=None):
     return result
 
 
-def rank_failure(phase: str, failures: dict[int, str]) -> RankFailure:
-    """What every other rank raises when some failed `phase`: each message once, with the ranks that gave it."""
+def rank_failure(phase: str, failures: dict[int, str], count: int | None = None) -> RankFailure:
+    """What every other rank raises when some failed `phase`: each message once, with the ranks that gave it.
+    count: how many failed, when `failures` names only some of them."""
+    count = len(failures) if count is None else count
     by_message: dict[str, list[int]] = {}
     for r, m in sorted(failures.items()):
         by_message.setdefault(m, []).append(r)
-    text = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items())
-    return RankFailure(f"{phase} failed on {len(failures)} rank(s): {text}", failures)
+    parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items()]
+    if count > len(failures):
+        parts.append(f"{count - len(failures)} {'more ' if failures else ''}rank(s) not named here (each prints its "
+                     "own reason)")
+    return RankFailure(f"{phase} failed on {count} rank(s): {'; '.join(parts)}", failures)
 
 
 # When a peer is gone, the job's store names who and why (postmortem.py: bounded at any world).
@@ -171,13 +183,25 @@ def agree_on_planning(error: BaseException | None, plan, digest=plan_digest, pha
                       "(--config) and options")
 
 
+_verdicts = itertools.count()   # the n-th verdict_everywhere of this process; equal on all ranks while in step
+
+
 def verdict_everywhere(phase: str, scan, verdict) -> None:
-    """Each rank runs `scan` (a phase) for its findings (a list, empty: nothing found); what every rank found makes
-    one verdict (a message, None: fine), raised identically on every rank as a CheckpointError. When no rank found
-    anything, one all-reduce says so; the findings themselves travel only when there are some."""
+    """Each rank runs `scan` (a phase) for its findings (a list, empty: nothing found); verdict(findings by rank,
+    how many ranks found any) makes one message (None: fine), raised identically on every rank as a CheckpointError.
+    One all-reduce counts the ranks that found something; the first few of them (postmortem.DETAILS) left their
+    findings in the job's store before it, so a rank reads O(1) of them at any world."""
     found = run_phase(phase, scan)
-    if count_over_ranks(1 if found else 0) == 0:
-        return
-    message = verdict(all_gather_objects(found))
+    if not active():
+        message = verdict({0: found} if found else {}, 1 if found else 0)
+    else:
+        store, prefix = dist.distributed_c10d._get_default_store(), f"distload/verdict-{next(_verdicts)}"
+        if found:
+            postmortem.post(store, prefix, dist.get_rank(), pickle.dumps(found))
+        count = count_over_ranks(1 if found else 0)
+        if count == 0:
+            return
+        few, _ = postmortem.posted(store, prefix)
+        message = verdict({r: pickle.loads(b) for r, b in few.items()}, count)
     if message is not None:
         raise CheckpointError(message)

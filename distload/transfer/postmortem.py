@@ -7,7 +7,7 @@ broke then waits a moment for its peers' reasons and names the ranks that stayed
 
 Bounded whatever the world: the store is one server every rank talks to, so each rank costs it O(1)
 operations per poll. Ranks count themselves in (`reported`); the first few causes go to numbered slots
-(`cause-1..DETAILS`); the first broken rank to arrive (`lost` == 1) is the collector: it alone waits for
+(`causes/slot-1..DETAILS`); the first broken rank to arrive (`lost` == 1) is the collector: it alone waits for
 the count, looks up which ranks stayed silent (once, O(world)) and posts their names; the other broken
 ranks wait for that one key. Messages name at most DETAILS causes and SHOWN silent ranks, with totals.
 """
@@ -45,9 +45,31 @@ def _count_in(store, step: int, rank: int, message: str) -> None:
 def tell(store, step: int, rank: int, message: str) -> None:
     """A rank that failed with a cause posts it (before the collective, which may break)."""
     _count_in(store, step, rank, message)
-    slot = store.add(_key(step, "causes"), 1)
+    post(store, _key(step, "causes"), rank, message[:4000].encode())
+
+
+def causes(store, step: int) -> tuple[dict[int, str], int]:
+    """(the first DETAILS causes posted in this step by rank, how many ranks posted one)."""
+    few, count = posted(store, _key(step, "causes"))
+    return {r: m.decode(errors="replace") for r, m in few.items()}, count
+
+
+def post(store, prefix: str, rank: int, payload: bytes) -> None:
+    """Count this rank in under `prefix`; the first DETAILS ranks to arrive also leave their payload."""
+    slot = store.add(prefix + "/count", 1)
     if slot <= DETAILS:
-        store.set(_key(step, f"cause-{slot}"), f"{rank}\n{message[:4000]}")
+        store.set(f"{prefix}/slot-{slot}", str(rank).encode() + b"\n" + payload)
+
+
+def posted(store, prefix: str) -> tuple[dict[int, bytes], int]:
+    """(the payloads left under `prefix`, by rank; how many ranks were counted in): O(DETAILS) store reads at any
+    world. Read only once every poster is known to have posted (after a collective they posted before)."""
+    count = store.add(prefix + "/count", 0)
+    few = {}
+    for slot in range(1, min(DETAILS, count) + 1):
+        rank, _, payload = store.get(f"{prefix}/slot-{slot}").partition(b"\n")
+        few[int(rank)] = payload
+    return few, count
 
 
 def _counter(store, step: int, what: str) -> int:
@@ -79,20 +101,17 @@ def gather(store, step: int, me: int, world: int, lost: str) -> tuple[dict[int, 
         count, *silent = map(int, store.get(silent_key).decode().split(","))
     else:  # the collector is gone too: count only
         silent, count = [], max(0, world - _counter(store, step, "reported"))
-    causes = {}
-    for slot in range(1, min(DETAILS, _counter(store, step, "causes")) + 1):
-        rank, _, message = store.get(_key(step, f"cause-{slot}")).decode(errors="replace").partition("\n")
-        causes[int(rank)] = message
+    named = causes(store, step)[0]
     if me in silent:  # this rank arrived after the collector looked
         silent, count = [r for r in silent if r != me], count - 1
-    return causes, [r for r in silent if r not in causes], count
+    return named, [r for r in silent if r not in named], count
 
 
-def describe(phase: str, me: int, error: BaseException, causes: dict[int, str], silent: list[int], count: int,
+def describe(phase: str, me: int, error: BaseException, named: dict[int, str], silent: list[int], count: int,
              store_error: BaseException | None) -> tuple[str, dict[int, str]]:
     """(the message a broken rank raises, failures by rank) from what gather() learnt."""
     parts = [f"{phase} failed: rank {me} {error}"]
-    parts += [f"rank {r} failed: {m}" for r, m in sorted(causes.items())]
+    parts += [f"rank {r} failed: {m}" for r, m in sorted(named.items())]
     if count:
         shown = ", ".join(map(str, silent)) + (f" ... ({count} in all)" if count > len(silent) else "")
         who = f"rank{'s' if count > 1 else ''} {shown}" if silent else f"{count} rank(s)"
@@ -102,5 +121,5 @@ def describe(phase: str, me: int, error: BaseException, causes: dict[int, str], 
     if store_error is not None:
         parts.append(f"the job's store is unreachable too ({first_line(store_error)}): whoever held it is gone "
                      "(rank 0 without torchrun, else torchrun's agent)")
-    failures = {**{r: "no word (vanished)" for r in silent}, **causes, me: str(error)}
+    failures = {**{r: "no word (vanished)" for r in silent}, **named, me: str(error)}
     return "; ".join(parts), failures
