@@ -42,7 +42,8 @@ from .plan import DEFAULT_STAGING_BYTES, build_plan
 from .postprocess import PostProcess
 from .reconcile import reconcile
 from .rules import rules_for
-from .transfer import all_gather_objects, broadcast_object
+from .transfer import broadcast_object
+from .transfer.collectives import max_over_ranks
 from .transfer.agreement import run_phase
 
 
@@ -173,10 +174,10 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
     if not 0 <= src < layout.world:
         raise DistloadError(f"refit: src={src} is not a rank of this job (world {layout.world})")
     new_version, meta = _phase("metadata", lambda: _announce(rank, src, version, tensors))
-    versions = all_gather_objects(current_version)
-    if len(set(versions)) > 1:
-        raise RankFailure(f"refit refused: ranks are at different versions {versions} (one missed an update); "
-                          f"reload or refit every rank from one state")
+    highest, minus_lowest = max_over_ranks([current_version, -current_version])   # one all-reduce, at any world
+    if highest != -minus_lowest:
+        raise RankFailure(f"refit refused: ranks are at different versions, from {-minus_lowest} to {highest} (this "
+                          f"rank: {current_version}; one missed an update); reload or refit every rank from one state")
     if new_version is None:
         new_version = current_version + 1
 
@@ -207,7 +208,10 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
         written = transfer.stats.written
         if post is not None:
             written = _phase("postprocess", lambda: post.finish(transfer.stats.written))
-        verdict = _phase("reconcile", lambda: reconcile(plan, rank, live, written, strict=True))
+        # Each rank's traffic rides on the reconciliation's summaries: no collective of its own.
+        stats = transfer.stats
+        mine = {"rank": rank, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
+        verdict = _phase("reconcile", lambda: reconcile(plan, rank, live, written, strict=True, report_record=mine))
     except Exception as exc:  # a failed rank, a broken link, a failed check: the same state for the caller
         raise RefitFailed(f"refit to version {new_version} failed after bytes started moving; the params are partly "
                           f"updated (undefined) and stay at version {current_version}: refit again or reload before "
@@ -215,11 +219,10 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
     # Acknowledged by every rank in the reconcile agreement: the new version is now visible.
     if isinstance(target, LoadResult):
         target.version = new_version
-    stats = transfer.stats
-    per_rank = all_gather_objects({"rank": rank, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received})
     return Refit(version=new_version, params=verdict.params,
                  report={"version": new_version, "seconds": round(time.perf_counter() - start, 6),
-                         "bytes": plan.checkpoint_bytes, "buckets": len(plan.buckets), "per_rank": per_rank})
+                         "bytes": plan.checkpoint_bytes, "buckets": len(plan.buckets),
+                         "per_rank": verdict.rank_reports})
 
 
 def _announce(rank: int, src: int, version: int | None, tensors: dict):

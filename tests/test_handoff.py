@@ -398,6 +398,9 @@ def _refit_cases(ckpt: str, changed: str) -> dict:
     refusals["unknown"] = push(changed_tensors(**{"model.layers.0.mlp.extra.weight": half}))
     refusals["missing"] = push(changed_tensors(**{"lm_head.weight": None}))
     refusals["version"] = push(changed_tensors(), version=1)
+    result.version = 5 if rank == 1 else 1   # rank 1 as if it had taken an update the others missed
+    refusals["versions differ"] = push(changed_tensors())
+    result.version = 1
     for name, t in result.params.items():
         if not torch.equal(t, before[name]):
             problems.append(f"rank {rank}: {name} changed by a refused refit")
@@ -431,6 +434,8 @@ def test_refit(dense_checkpoints, tmp_path):
         assert len(messages) == 1, (case, messages)  # the same refusal on every rank
         message = messages.pop()
         assert all(w in message for w in words), (case, message)
+    for rank, r in enumerate(results):   # one all-reduce finds it; each rank names its own version
+        assert f"different versions, from 1 to 5 (this rank: {5 if rank == 1 else 1};" in r["refusals"]["versions differ"]
     assert [r["version"] for r in results] == [7, 7]
     per_rank = results[0]["report"]["per_rank"]
     assert per_rank[0]["bytes_received"] > 0 and per_rank[1]["bytes_received"] == 0  # src keeps its own share
