@@ -247,6 +247,8 @@ def _load_with_rank_dependent_staging(path: str) -> str:
 def test_ranks_with_different_plans_fail_instead_of_hanging(dense_checkpoints):
     messages = run_ranks(2, _load_with_rank_dependent_staging, dense_checkpoints["llama"], timeout=120)
     assert all("ranks computed different load plans" in m for m in messages), messages
+    digests = [re.search(r"this rank \d: plan ([0-9a-f]{15})", m)[1] for m in messages]
+    assert digests[0] != digests[1], messages   # each rank says which plan it holds
 
 
 def _load_with_planning_failing_on_rank1(path: str) -> str:

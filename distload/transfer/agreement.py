@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import faults
 from ..errors import CheckpointError, RankFailure
 from . import postmortem
-from .collectives import active, count_over_ranks, gather_int64, max_over_ranks
+from .collectives import active, count_over_ranks, max_over_ranks
 
 
 def _failed_ranks(mine: str | None, digest: int | None = None) -> tuple[int, bool]:
@@ -167,20 +167,13 @@ def agree_on_planning(error: BaseException | None, plan, digest=plan_digest, pha
     """The planning phase's agreement step, which also checks that every rank holds the same plan: no
     control message ever travels, so ranks that planned differently (different distload versions or rules
     files on different nodes) would wait forever for bytes nobody sends. One all-reduce carries both (a
-    failed rank, and the largest and smallest plan digest); the digests themselves are gathered only when
-    they differ, to say which ranks hold which plan."""
+    failed rank, and the largest and smallest plan digest). Each rank names its own digest (its line says which
+    plan it holds; gathering every rank's would cost each rank the world)."""
     # Every rank takes part in the same collective: a rank that failed contributes digest 0 (its failure wins).
     digest = digest(plan) if error is None and plan is not None else 0
-    differ = agree(phase, error, digest=digest)
-    if not differ:
-        return
-    digests = [f"{d:015x}" for d in gather_int64(digest)]
-    groups: dict[str, list[int]] = {}
-    for r, d in enumerate(digests):
-        groups.setdefault(d, []).append(r)
-    raise RankFailure("ranks computed different load plans (" + "; ".join(f"ranks {rs}: plan {d}" for d, rs in
-                      groups.items()) + "): check that every node runs the same distload version, rules file "
-                      "(--config) and options")
+    if agree(phase, error, digest=digest):
+        raise RankFailure(f"ranks computed different load plans (this rank {dist.get_rank()}: plan {digest:015x}): "
+                          "check that every node runs the same distload version, rules file (--config) and options")
 
 
 _verdicts = itertools.count()   # the n-th verdict_everywhere of this process; equal on all ranks while in step

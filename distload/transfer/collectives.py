@@ -157,16 +157,6 @@ def max_over_ranks(values: list[int]) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
-def gather_int64(value: int) -> list[int]:
-    """Every rank's int64 `value`, in rank order: one all-gather of a fixed-size tensor."""
-    if not active():
-        return [value]
-    mine = torch.tensor([value], dtype=torch.int64, device=object_device())
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [int(t.item()) for t in every]
-
-
 def barrier() -> None:
     if active():
         dist.barrier()
