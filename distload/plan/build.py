@@ -41,7 +41,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     quantize ('fp8' | 'fp8-block'): quantize the linear weights on each rank as they land; dequantize:
     turn an FP8 checkpoint's weights into BF16 (see quant_steps.py). rank: plan what that rank needs (the
     load's plan: the job-wide buckets and its block's own, spans.py), not the rows other blocks alone take and
-    read; None: the whole job (tools, tests, sharded saves).
+    read; None: the whole job (tools, tests, refit, resharding).
     """
     check_loop_bounds(tensors, rules, config)
     digest = inputs_digest(tensors, config, rules, layout, strict=strict, staging_bytes=staging_bytes,
