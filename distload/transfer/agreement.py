@@ -67,7 +67,7 @@ def _named_failures(phase: str, step: int, failed: int) -> RankFailure:
     posted to the job's store before the all-reduce that counted them, and how many failed. O(1) store reads per
     rank whatever the world; every rank reads the same slots, so every rank says the same."""
     try:
-        named = postmortem.causes(dist.distributed_c10d._get_default_store(), step)[0]
+        named = postmortem.causes(dist.distributed_c10d._get_default_store(), step)
     except Exception:  # the store is gone: the count is all there is (each failed rank prints its own reason)
         named = {}
     return rank_failure(phase, named, failed)
@@ -186,15 +186,13 @@ def verdict_everywhere(phase: str, scan, verdict) -> None:
     findings in the job's store before it, so a rank reads O(1) of them at any world."""
     found = run_phase(phase, scan)
     if not active():
-        message = verdict({0: found} if found else {}, 1 if found else 0)
+        few, count = {0: found}, 1 if found else 0
     else:
         store, prefix = dist.distributed_c10d._get_default_store(), f"distload/verdict-{next(_verdicts)}"
         if found:
             postmortem.post(store, prefix, dist.get_rank(), pickle.dumps(found))
         count = count_over_ranks(1 if found else 0)
-        if count == 0:
-            return
-        few, _ = postmortem.posted(store, prefix)
-        message = verdict({r: pickle.loads(b) for r, b in few.items()}, count)
+        few = {r: pickle.loads(b) for r, b in postmortem.posted(store, prefix)[0].items()} if count else {}
+    message = verdict(few, count) if count else None
     if message is not None:
         raise CheckpointError(message)

@@ -90,6 +90,23 @@ def computed_on_rank0(fn):
 _OBJECT_SLOT_BYTES = 16 << 10
 
 
+def _framed(data: bytes, size: int, dev) -> torch.Tensor:
+    """`size` bytes on `dev`: data's length (8 bytes), then data where it fits (else the length alone travels)."""
+    t = torch.zeros(size, dtype=torch.uint8, device=dev)
+    t[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= size - 8:
+        t[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return t
+
+
+def _length(framed: torch.Tensor) -> int:
+    return int(framed[:8].cpu().view(torch.int64).item())
+
+
+def _unframed(framed: torch.Tensor):
+    return pickle.loads(framed[8:8 + _length(framed)].cpu().numpy().tobytes())
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's picklable `obj`, in rank order (small records only: all_gather is slow on gloo)."""
     if not active():
@@ -101,21 +118,17 @@ def all_gather_objects(obj) -> list:
     # for the slowest rank, so the usual case pays for one.
     slot = _OBJECT_SLOT_BYTES
     world = dist.get_world_size()
-    mine = torch.zeros(slot, dtype=torch.uint8, device=dev)
-    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    if len(data) <= slot - 8:
-        mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = _framed(data, slot, dev)
     out = [torch.empty(slot, dtype=torch.uint8, device=dev) for _ in range(world)]
     dist.all_gather(out, mine)
-    sizes = [int(o[:8].cpu().view(torch.int64).item()) for o in out]
+    sizes = list(map(_length, out))
     if max(sizes) <= slot - 8:
-        return [pickle.loads(o[8:8 + n].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
+        return list(map(_unframed, out))
     mine = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = [torch.empty(max(sizes), dtype=torch.uint8, device=dev) for _ in range(world)]
     dist.all_gather(out, mine)
     return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
-
 
 
 def gather_objects(obj, dst: int = 0) -> list | None:
@@ -124,19 +137,12 @@ def gather_objects(obj, dst: int = 0) -> list | None:
     record. Two collectives: the longest record's size (all-reduce), then one gather of records that long."""
     if not active():
         return [obj]
-    dev = object_device()
     data = pickle.dumps(obj)
-    longest = max_over_ranks([len(data)])[0]
-    mine = torch.zeros(8 + longest, dtype=torch.uint8, device=dev)
-    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = _framed(data, 8 + max_over_ranks([len(data)])[0], object_device())
     here = dist.get_rank() == dst
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if here else None
     dist.gather(mine, out, dst=dst)
-    if not here:
-        return None
-    every = [o.cpu() for o in out]
-    return [pickle.loads(o[8:8 + int(o[:8].view(torch.int64).item())].numpy().tobytes()) for o in every]
+    return [_unframed(o.cpu()) for o in out] if here else None
 
 
 def count_over_ranks(flag: int) -> int:

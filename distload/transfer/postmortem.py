@@ -48,10 +48,9 @@ def tell(store, step: int, rank: int, message: str) -> None:
     post(store, _key(step, "causes"), rank, message[:4000].encode())
 
 
-def causes(store, step: int) -> tuple[dict[int, str], int]:
-    """(the first DETAILS causes posted in this step by rank, how many ranks posted one)."""
-    few, count = posted(store, _key(step, "causes"))
-    return {r: m.decode(errors="replace") for r, m in few.items()}, count
+def causes(store, step: int) -> dict[int, str]:
+    """The first DETAILS causes posted in this step, by rank."""
+    return {r: m.decode(errors="replace") for r, m in posted(store, _key(step, "causes"))[0].items()}
 
 
 def post(store, prefix: str, rank: int, payload: bytes) -> None:
@@ -101,7 +100,7 @@ def gather(store, step: int, me: int, world: int, lost: str) -> tuple[dict[int, 
         count, *silent = map(int, store.get(silent_key).decode().split(","))
     else:  # the collector is gone too: count only
         silent, count = [], max(0, world - _counter(store, step, "reported"))
-    named = causes(store, step)[0]
+    named = causes(store, step)
     if me in silent:  # this rank arrived after the collector looked
         silent, count = [r for r in silent if r != me], count - 1
     return named, [r for r in silent if r not in named], count
