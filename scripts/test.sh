@@ -24,6 +24,9 @@ if [[ ${#select[@]} -eq 0 ]] || ! installed_here; then
   bash scripts/setup.sh --test || exit 1
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# The checkout's own folder off sys.path (here and in every process the tests start): its top-level kernels/
+# would hide the `kernels` distribution that transformers (5.x) imports when it is installed.
+export PYTHONSAFEPATH=1
 python -m pytest -q tests "${select[@]}" "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then echo "pytest collected no tests"; exit 1; fi

@@ -32,6 +32,7 @@ fi
 for pkg in torchvision torchaudio torchcodec; do
   if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then "$PY" -m pip uninstall -y -q "$pkg" || exit 1; fi
 done
+export PYTHONSAFEPATH=1  # kernels/ would hide transformers' `kernels` (scripts/test.sh)
 echo "vllm stage: venv ready in $((SECONDS - start)) s ($venv)"
 "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm.py "$@"
 rc=$?
