@@ -17,10 +17,10 @@ import torch
 from distload.errors import DistloadError
 from distload.models import FAMILIES as FORWARD_FAMILIES
 from distload.models import family_of, forward
-from tests.hf_models import (DENSE, FAMILIES, MOE, build_model, checkpoint_tensors, read_config,
+from hf_models import (DENSE, FAMILIES, MOE, build_model, checkpoint_tensors, read_config,
                              save_checkpoint)
-from tests.layout_oracle import padded_vocab, serving_shards
-from tests.spawn import run_ranks
+from layout_oracle import padded_vocab, serving_shards
+from spawn import run_ranks
 
 T = 24  # longer than the windows and original context lengths below, so scaled RoPE and SWA really act
 TOL = 1e-3
