@@ -50,7 +50,7 @@ def load(path, *, tp: int | None = None, ep: int = 1, readers: str | int = "per-
     checkpoint's weights as BF16. FP8 checkpoints (config.json quantization_config) load as FP8 by default.
     verify_checksums: sha256 of each weight file against CKPT/checksums; check_finite: a NaN/Inf scan.
     save_for="vllm" (with save_sharded=OUT, world = tp): OUT also holds what vLLM's load_format="sharded_state"
-    reads as it is (integrations/vllm_save.py).
+    reads as it is (serving/vllm_save.py).
     """
     options = dict(locals())
     del options["path"], options["misspelt"]

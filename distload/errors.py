@@ -17,6 +17,10 @@ class RuleError(DistloadError):
     """A rules file (configs/*.toml) is malformed, or no rules file fits the checkpoint."""
 
 
+class OptionError(DistloadError):
+    """A command-line option (or its Python keyword) has a value distload cannot use."""
+
+
 class PlanError(DistloadError):
     """The checkpoint cannot be laid out on this topology (divisibility, names, shapes, dtypes)."""
 

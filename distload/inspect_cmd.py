@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import mtp
+from .rules import mtp
 from .errors import DistloadError
 from .loader import decide_route, source_for
 from .options import LoadOptions

@@ -11,17 +11,18 @@ from pathlib import Path
 
 import torch
 
-from . import host_memory, topology
+from .transfer import host_memory
+from . import topology
 from .checkpoint import choose_strategy
 from .checkpoint.dcp import is_dcp
 from .deadline import within
-from .delivery import transfer_phase
+from .transfer.delivery import transfer_phase
 from .dtypes import torch_dtype
 from .errors import PlanError
 from .gc_freeze import with_earlier_objects_frozen
-from .integrations.vllm_save import export_for_vllm
-from .integrity import finite_verdict, nonfinite
-from .names import describe
+from .serving.export import check_save_for_layout, export
+from .checkpoint.integrity import finite_verdict, nonfinite
+from .rules.names import describe
 from .options import LoadOptions
 from .plan import LoadPlan, ParamSpec
 from .postprocess import PostProcess
@@ -30,12 +31,14 @@ from .report import PhaseClock, build_report, rank_record, summary_line, write_r
 from .sharded.manifest import is_sharded_save
 from .sharded.reload import ShardedSource
 from .sharded.save import save_sharded
-from .sources import CheckpointSource, DcpSource, Source
+from .sources import Source
+from .sources.checkpoint import CheckpointSource
+from .sources.dcp import DcpSource
 from .transfer import outcome, shared_from_rank0
 from .transfer.agreement import plan_digest, run_phase, verdict_everywhere
 from .transfer.pull import why_not_usable
 from .transfer.route import Route, choose_route, reading_ranks
-from .validate import check_save_for_layout, save_for_server, validate_load_options
+from .validate import validate_load_options
 
 log = logging.getLogger("distload")
 
@@ -209,9 +212,9 @@ def hand_off(result: LoadResult, clock: PhaseClock, origin, options: LoadOptions
                      origin.source, origin.checkpoint_tensors)
         clock.lap("save")
         if options.save_for:  # rank 0 writes vLLM's files beside the saved ones; every rank waits
-            out, (_, version) = options.save_sharded, save_for_server(options.save_for)
-            run_phase("save for vllm", lambda: export_for_vllm(out, out, version) if result.rank == 0 else None)
-            clock.lap("save for vllm")
+            out, engine = options.save_sharded, options.save_for
+            run_phase(f"save for {engine}", lambda: export(engine, out) if result.rank == 0 else None)
+            clock.lap(f"save for {engine}")
         result.report["seconds"] = clock.as_dict()
         result.report["saved_to"] = str(Path(options.save_sharded).absolute())
     if result.rank == 0:

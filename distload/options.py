@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import DistloadError
-from .mtp import check_mode
+from .rules.mtp import check_mode
 from .stages import parse_partition
 from .validate import check_options
 

@@ -1,6 +1,6 @@
 """Post-load steps on each rank (DESIGN §2 step 6): what the transfer delivered -> what serving kernels want.
 
-The plan gives each rank a list of steps (plan.quant_steps.Step, data); this module runs them with
+The plan gives each rank a list of steps (quant.fp8_steps.Step, data); this module runs them with
 distload.kernels (Triton on CUDA, the torch references on CPU):
 
     requantize        fused fp8 weight, one scale per part -> the same weight (in place), one scale
@@ -29,7 +29,9 @@ from collections import deque
 
 import torch
 
-from . import host_memory, kernels, postprocess_4bit
+from .transfer import host_memory
+from . import kernels
+from .quant import ops_4bit as postprocess_4bit
 from .dtypes import torch_dtype
 from .reconcile import coverage
 from .plan.shard import view2d

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import faults, names
+from . import faults
+from .rules import names
 from .errors import DistloadError
 from .plan.shard import view2d
 from .transfer import all_gather_cat, all_gather_objects

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import names, topology
+from .rules import names
+from . import topology
 from .checkpoint.discover import read_config
 from .checkpoint.header import TensorEntry
-from .delivery import transfer_phase
+from .transfer.delivery import transfer_phase
 from .dtypes import TORCH_TO_SAFETENSORS, itemsize, torch_dtype
 from .errors import DistloadError, PlanError, RankFailure
 from .loader import LoadResult

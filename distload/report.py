@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -60,17 +59,9 @@ def rank_record(rank: int, stats, reader, device: str) -> dict:
     }
 
 
-def stage_fields(layout, rank: int) -> dict:
-    """A rank's pipeline stage and the decoder layers it holds ([first, end); None when the plan had no layer
-    loop to split)."""
-    pp_rank = layout.pp_rank(rank)
-    layers = layout.stage_layers(pp_rank, sum(layout.pp_layers)) if layout.pp_layers else None
-    return {"pp_rank": pp_rank, "layers": [layers.start, layers.stop] if layers is not None else None}
-
-
 def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str, extra: dict | None = None) -> dict:
     layout = plan.layout
-    per_rank = [{**r, **stage_fields(layout, r["rank"])} for r in per_rank]
+    per_rank = [{**r, **layout.stage_record(r["rank"])} for r in per_rank]
     return {
         "ok": verdict is not None and verdict.ok,
         "source": source,
@@ -117,25 +108,3 @@ def summary_line(report: dict) -> str:
             f"world={report['world_size']} tp={report['tp']}{pp} ep={report['ep']} readers={len(report['readers'])} "
             f"params={report['params']}{draft} checkpoint={gb:.3f} GB read={report['storage_bytes_read'] / 1e9:.3f} GB "
             f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB{on_device}; {report['verdict']}")
-
-
-class Progress:
-    """A one-line progress bar on rank 0 for long loads; silent when stderr is not a TTY."""
-
-    def __init__(self, total_bytes: int, enabled: bool):
-        self.total, self.done = max(total_bytes, 1), 0
-        self.enabled = enabled and sys.stderr.isatty()
-        self.start = time.perf_counter()
-
-    def __call__(self, bucket) -> None:
-        self.done += bucket.read_bytes
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        elapsed = time.perf_counter() - self.start
-        bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\rdistload [{bar:<30}] {frac:6.1%} {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
-                         f"{self.done / 1e9 / max(elapsed, 1e-9):.2f} GB/s")
-        if self.done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import names
+from .rules import names
 from .plan import expected_shapes
 from .checkpoint import discover
 from .errors import DistloadError

@@ -110,6 +110,13 @@ class Layout:
         start = sum(parts[:pp_rank])
         return range(start, start + parts[pp_rank])
 
+    def stage_record(self, rank: int) -> dict:
+        """A rank's pipeline stage and the decoder layers it holds ([first, end); None when the plan had no layer
+        loop to split), as the report and a save's manifest record them."""
+        pp_rank = self.pp_rank(rank)
+        layers = self.stage_layers(pp_rank, sum(self.pp_layers)) if self.pp_layers else None
+        return {"pp_rank": pp_rank, "layers": [layers.start, layers.stop] if layers is not None else None}
+
     @property
     def stage_world(self) -> int:
         """Ranks per pipeline stage (its dp x tp ranks)."""

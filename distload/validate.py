@@ -12,17 +12,14 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from importlib import resources
 from pathlib import Path
 
-from .errors import DistloadError
+from .errors import OptionError
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 SAVE_MANIFEST = "manifest.json"  # sharded.manifest.MANIFEST; that module imports torch, which a refusal needs not
 DEVICE_TYPES = ("cpu", "cuda")
-
-
-class OptionError(DistloadError):
-    """A command-line option (or its Python keyword) has a value distload cannot use."""
 
 
 def check_timeout(seconds) -> float:
@@ -235,32 +232,29 @@ def check_options(options) -> None:
     check_hf_config(options.hf_config)
 
 
-SAVE_FOR = ("vllm",)
+def serving_engines() -> tuple[str, ...]:
+    """The engines a save can be for: one naming file each in configs/serving/ (data: no engine is named in code)."""
+    folder = resources.files("distload.configs") / "serving"
+    return tuple(sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml")))
 
 
 def save_for_server(save_for: str) -> tuple[str, str | None]:
-    """(server, version or None) of --for SERVER[==VERSION]; version "" when the '==' has nothing after it."""
-    server, sep, version = save_for.partition("==")
-    return server, (version if sep else None)
+    """(engine, version or None) of --for ENGINE[==VERSION]; version "" when the '==' has nothing after it."""
+    engine, sep, version = save_for.partition("==")
+    return engine, (version if sep else None)
 
 
 def check_save_for(save_for: str | None, save_sharded: str | None) -> None:
-    """--for SERVER[==VERSION]: a server distload knows, and only with a --save-sharded to write it into."""
+    """--for ENGINE[==VERSION]: an engine distload knows, and only with a --save-sharded to write it into."""
     if save_for is None:
         return
-    server, version = save_for_server(save_for)
-    if server not in SAVE_FOR or version == "":
-        raise OptionError(f"--for {save_for!r}: distload writes saves for {', '.join(SAVE_FOR)} (optionally "
-                          f"SERVER==VERSION, e.g. vllm==0.32.0); pick one of them")
+    engine, version = save_for_server(save_for)
+    engines = serving_engines()
+    if engine not in engines or version == "":
+        raise OptionError(f"--for {save_for!r}: distload writes saves for {', '.join(engines)} (optionally "
+                          f"ENGINE==VERSION, e.g. vllm==0.32.0); pick one of them")
     if not save_sharded:
         raise OptionError(f"--for {save_for}: says whom a --save-sharded directory is for; add --save-sharded OUT")
-
-
-def check_save_for_layout(save_for: str | None, world: int, tp: int) -> None:
-    """vLLM's sharded_state reads one file per tp rank: a save for it needs world = tp (known once planned)."""
-    if save_for is not None and world != tp:
-        raise OptionError(f"--for {save_for}: vLLM's sharded_state reads one file per tp rank, but this job has "
-                          f"{world} ranks at tp {tp}; run it on {tp} ranks, or save without --for")
 
 
 def validate_load_options(path: str, options) -> None:

@@ -6,7 +6,7 @@ distload.models.forward over the shards this rank holds (it never re-reads the c
 compare with `AutoModelForCausalLM.from_pretrained` of the same checkpoint (or of `--reference`, the same
 weights in an architecture transformers can build) in float32 on the CPU. The verdict is broadcast, so every
 rank returns the same exit code. On failure the per-layer hidden states of both sides name the first layer
-where they diverge (distload/divergence.py).
+where they diverge (distload/models/divergence.py).
 
 Error measure: max |ours - ref| / max |ref| over all logits (an elementwise ratio explodes on logits near
 zero and says nothing about the output); plus whether the argmax token of every position agrees.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import topology
-from .divergence import first_divergence
+from .models.divergence import first_divergence
 from .errors import DistloadError
 from .loader import run_load
 from .models import forward_for

@@ -74,7 +74,7 @@ ONE_NODE_ONLY = ("distload-owners",)  # refused across nodes (it would read a te
 TWO_NODES_ONLY = ("distload-1reader",)
 # Not in the default set: distload with every rank a reader (each byte still read once: the readers split
 # the checkpoint), distload with its same-node shared memory turned off, distload with huge-page params
-# (DISTLOAD_HUGEPAGES=1, see distload/host_memory.py), the baseline filling huge-page params too (what
+# (DISTLOAD_HUGEPAGES=1, see distload/transfer/host_memory.py), the baseline filling huge-page params too (what
 # that allocation alone changes), distload without its early fetch of the checkpoint's start on one node
 # (DISTLOAD_EARLY_FETCH_MIB=0, see distload/checkpoint/early_fetch.py), and distload with each
 # `--read-strategy` forced (distload-plain, distload-threaded, ...: what the automatic choice, logged per
@@ -315,7 +315,7 @@ class Context:
     def allocate(self, huge_pages: bool = False):
         """The params the other loaders fill: `torch.empty` per param, as a model's constructor makes them
         (vLLM's loaders fill the module the model built). huge_pages: in transparent huge pages, as distload
-        allocates with DISTLOAD_HUGEPAGES=1 (distload/host_memory.py), to show what that alone changes."""
+        allocates with DISTLOAD_HUGEPAGES=1 (distload/transfer/host_memory.py), to show what that alone changes."""
         from distload.loader import allocate
         from distload.transfer import TransferStats, zero_padding
 

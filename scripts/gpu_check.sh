@@ -3,7 +3,7 @@
 # all; its python3 holds torch, triton, safetensors, transformers, pytest, but not fastsafetensors):
 #   echo /.whl/ >> .git/info/exclude; pip download --no-deps ... -d .whl fastsafetensors==0.5.0  (cp312 wheel)
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=330)
-# 1. the CUDA tests: tests/test_kernels.py's compiled-Triton checks and tests/test_cuda.py (every load on the
+# 1. the CUDA tests: tests/pure/test_kernels.py's compiled-Triton checks and tests/jobs/test_cuda.py (every load on the
 #    GPU through NCCL bit for bit equal to the same load on the CPU; load_into, save/reload, refit, torchrun);
 # 2. scripts/bench.py --device cuda: distload vs every-rank-reads and fastsafetensors
 #    at 1 rank, params on the GPU, with the storage and pinned-H2D bandwidth they are set against;
@@ -49,7 +49,7 @@ if ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
 fi
 cd /tmp
 step tests 120 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=110 -rs \
-    "$REPO/tests/test_kernels.py" -k "cuda or gpu" "$REPO/tests/test_cuda.py"
+    "$REPO/tests/pure/test_kernels.py" -k "cuda or gpu" "$REPO/tests/jobs/test_cuda.py"
 step bench 150 python3 "$REPO/scripts/bench.py" --device cuda --reps 5 --size-gib 2 \
     --loaders distload,every-rank-reads,fastsafetensors --scenario-timeout 140 \
     --workdir /tmp/distload-bench --out "$LOGS/bench"

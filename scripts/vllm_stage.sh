@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM stage: tests/test_vllm.py against a real vLLM (its CPU build, tp 2), in a venv of its own so the
+# The vLLM stage: tests/jobs/test_vllm.py against a real vLLM (its CPU build, tp 2), in a venv of its own so the
 # main suite's environment stays as it is.
 #   bash scripts/vllm_stage.sh [pytest args]
 # The venv: $DISTLOAD_VLLM_VENV (default ~/.cache/distload/vllm-venv, kept between runs). Without vLLM it is
@@ -17,8 +17,14 @@ here() {  # this checkout's distload, vLLM and pytest importable in the venv (-P
   # would hide an editable install of another checkout that vLLM's workers would then import)
   "$PY" -P - <<'PY' 2>/dev/null
 import importlib.util, pathlib, sys
+import tomllib
+from importlib import metadata
 spec = importlib.util.find_spec("distload")
 ok = spec is not None and pathlib.Path(spec.origin).resolve().parent == pathlib.Path("distload").resolve()
+# the plugin's entry point as this checkout declares it (an editable install keeps the one it was made with)
+declared = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+installed = {e.name: e.value for e in metadata.entry_points(group="vllm.general_plugins")}
+ok = ok and all(installed.get(k) == v for k, v in declared.items())
 sys.exit(0 if ok and importlib.util.find_spec("vllm") and importlib.util.find_spec("pytest") else 1)
 PY
 }
@@ -34,7 +40,7 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 export PYTHONSAFEPATH=1  # kernels/ would hide transformers' `kernels` (scripts/test.sh)
 echo "vllm stage: venv ready in $((SECONDS - start)) s ($venv)"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_vllm.py "$@"
+"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py "$@"
 rc=$?
 echo "vllm stage: $((SECONDS - start)) s in all, pytest exit $rc"
 exit $rc

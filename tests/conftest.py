@@ -1,3 +1,14 @@
+"""Tests by kind, one folder each (the fast run is a folder, not a list):
+
+    pure/          no other process, no model saved by transformers: planning, rules, parsers, kernels' references
+                   (`scripts/test.sh --fast` runs this folder alone)
+    checkpoints/   in this process, on tiny checkpoints saved by transformers: plans of real models, the oracles
+    ranks/         real gloo process groups in processes of their own (support/spawn.py)
+    jobs/          whole jobs: torchrun and the CLI, the hostile corpus, benchmarks' smoke runs, vLLM
+    support/       helpers the tests import as plain modules (on sys.path); no tests, and no test module imports
+                   another test module (tests/pure/test_structure.py checks both)
+"""
+
 import multiprocessing.process
 import subprocess
 import sys
@@ -5,36 +16,14 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests import spawn, hf_models, layout_oracle as plain modules
-
-# The test modules whose tests are pure: no other process, no model saved by transformers, only small files.
-# They get the `pure` marker, which `scripts/test.sh --fast` (pytest -m pure) selects; a test in them that must
-# start a process is marked @pytest.mark.spawns and left to the whole suite. A module joins by being named here.
-PURE_MODULES = (
-    "test_checkpoint",
-    "test_host_memory",
-    "test_kernels",
-    "test_kernels_4bit",
-    "test_names",
-    "test_rules",
-    "test_shard",
-    "test_stages",
-    "test_structure",
-    "test_validate",
-)
-
-
-def pytest_ignore_collect(collection_path, config):
-    """Under `-m pure` the other test modules are not even imported (they import transformers, spawn helpers)."""
-    name = collection_path.stem
-    if config.getoption("markexpr") == "pure" and name.startswith("test_") and name not in PURE_MODULES:
-        return True
-    return None  # pytest's own rules decide
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "support"))  # tests import spawn, hf_models, layout_oracle, ... as plain modules
+PURE = HERE / "pure"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.stem in PURE_MODULES and item.get_closest_marker("spawns") is None:
+        if PURE in item.path.parents:
             item.add_marker(pytest.mark.pure)
 
 
@@ -45,10 +34,8 @@ def pure_tests_start_no_process(request, monkeypatch):
         return
 
     def refuse(*args, **kwargs):
-        raise AssertionError(
-            f"{request.node.nodeid} starts a process, but its module is in PURE_MODULES (tests/conftest.py): "
-            "mark the test @pytest.mark.spawns or move it to a module that is not"
-        )
+        raise AssertionError(f"{request.node.nodeid} starts a process, but it is in tests/pure/: move it to the "
+                             f"folder of its kind (tests/conftest.py)")
 
     monkeypatch.setattr(subprocess, "Popen", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

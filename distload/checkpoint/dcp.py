@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import names
+from ..rules import names
 from ..dtypes import TORCH_TO_SAFETENSORS
 from ..errors import CheckpointError
 from ..rules import rules_for

@@ -12,10 +12,6 @@
     source_shares.py  a source's shares made when first asked (expert sources), their takers known before
     spans.py          which rows each reader reads: job-wide rows, and each block's own (rank mode skips others')
     buckets.py        reader spans -> chunks -> buckets, interleaved across readers
-    quant.py          FP8 schemes and the scale companions of quantized weights
-    quant_layouts.py  the companions' cuts, derived from their weights'
-    quant_steps.py    final specs and post-load steps (requantize, quantize, dequantize)
-    quant4*.py        packed 4-bit checkpoints (GPTQ, AWQ, compressed-tensors, NVFP4, NF4; MXFP4 experts)
     transpose.py      params stored transposed (GPT-2's Conv1D): staged as stored, turned after landing
     bounds.py         loop values config.json claims, bounded by what the checkpoint holds
     expected_shapes.py  every claimed tensor's full shape and dtype, from the rules' shape/dtype keys

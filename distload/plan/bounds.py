@@ -8,7 +8,7 @@ Pure: (tensors, rules, config) -> None or PlanError naming the config key, its v
 
 from __future__ import annotations
 
-from .. import names
+from ..rules import names
 from ..errors import PlanError
 from ..rules import FamilyRules
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import collections
 import itertools
 
-from .. import names
+from ..rules import names
 from ..rules import FamilyRules
 from ..topology import Layout
-from . import (expected_shapes, pipeline, quant, quant4, quant4_formats, quant4_layouts, quant4_steps, quant_layouts,
-               quant_steps, transpose)
+from . import expected_shapes, pipeline, transpose
+from ..quant import (fp8 as quant, packed4 as quant4, packed4_formats as quant4_formats,
+                     packed4_layouts as quant4_layouts, packed4_steps as quant4_steps, fp8_layouts as quant_layouts,
+                     fp8_steps as quant_steps)
 from .bounds import check_loop_bounds
 from ..gc_freeze import collector_paused
 from .digest import inputs_digest

@@ -22,7 +22,7 @@ import operator
 from collections import Counter
 from dataclasses import dataclass
 
-from .. import dim_expr
+from ..rules import dims as dim_expr
 from ..errors import PlanError, RuleError
 
 FLOATS = ("F64", "F32", "F16", "BF16")

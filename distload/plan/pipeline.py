@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from .. import names
+from ..rules import names
 from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .. import loop_sets, names
+from ..rules import sets as loop_sets, names
 from ..errors import PlanError, RuleError
 from ..rules import FamilyRules, ParamRule, flag_holds
 from .types import Target

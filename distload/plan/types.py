@@ -202,7 +202,7 @@ class LoadPlan:
     ignored: tuple[str, ...] = ()                # dropped by rule or by a tie (e.g. rotary inv_freq)
     checkpoint_bytes: int = 0
     notes: tuple[str, ...] = field(default=(), compare=False)
-    # Quantized loads (plan/quant*.py): `specs` are the final params (what the caller gets and reconcile
+    # Quantized loads (quant/): `specs` are the final params (what the caller gets and reconcile
     # checks); where post-load steps change them, `staging` holds what the transfer writes, per rank.
     staging: tuple[dict[str, ParamSpec], ...] = ()
     post: tuple[tuple, ...] = ()                 # per rank, quant_steps.Step s run after their inputs arrive

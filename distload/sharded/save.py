@@ -30,7 +30,6 @@ from ..plan.reshard import rank_file
 from ..transfer import broadcast_object
 from ..transfer.collectives import count_over_ranks, gather_objects
 from ..transfer.agreement import run_phase
-from ..report import stage_fields as rank_stage
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, byte_view, hidden, siblings
 
 log = logging.getLogger("distload")
@@ -253,4 +252,4 @@ def stage_fields(layout) -> dict:
     if not layout.pp_layers:
         return {"pp": layout.pp}
     return {"pp": layout.pp, "pp_layers": list(layout.pp_layers),
-            "rank_stages": [rank_stage(layout, r) for r in range(layout.world)]}
+            "rank_stages": [layout.stage_record(r) for r in range(layout.world)]}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import host_memory
+from . import host_memory
 from ..plan import Bucket
 from ..plan.shard import view2d
 from .collectives import require_contiguous

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from .. import host_memory
+from . import host_memory
 from ..checkpoint.strategy import usable_cpus
 from ..dtypes import torch_dtype
 from ..plan.shard import view2d

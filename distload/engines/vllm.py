@@ -1,0 +1,98 @@
+"""vLLM's `load_format="distload"`: each worker fills its model's params in place from one distload load.
+
+Registered through the `vllm.general_plugins` entry point (pyproject.toml), which vLLM runs in every
+process. In a worker, distload plans from the model's own `named_parameters()` (vLLM's names, padded
+shard shapes), fills each param by name (never through vLLM's weight_loaders, which expect whole
+tensors), and vLLM's process_weights_after_loading then runs as usual. vLLM's speculative-decoding draft of a
+checkpoint's MTP layers (DeepSeekMTPModel, ...: configs/serving/vllm.toml [draft]) loads with mtp="only".
+
+    LLM(ckpt, tensor_parallel_size=2, load_format="distload",
+        model_loader_extra_config={"readers": "per-node", "report": "/tmp/load.json"})
+    vllm serve ckpt --load-format distload --tensor-parallel-size 2
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import vllm
+from torch import nn
+from vllm.config import ModelConfig, get_current_vllm_config
+from vllm.config.load import LoadConfig
+from vllm.distributed import parallel_state
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from ..errors import DistloadError
+from ..options import LoadOptions
+from ..serving.names import NamingProfile, profile_for
+from .contract import destinations, fill_from_checkpoint
+
+LOAD_FORMAT = "distload"
+# model_loader_extra_config keys: the LoadOptions a serving instance may set (vLLM's groups give the rest).
+OPTIONS = ("readers", "staging_mib", "verify_checksums", "checksums", "report", "read_strategy", "config",
+           "timeout_s", "check_finite")
+
+
+def register() -> None:
+    """The vllm.general_plugins entry point: make load_format="distload" known to this process."""
+    register_model_loader(LOAD_FORMAT)(DistloadModelLoader)
+
+
+def vllm_profile() -> NamingProfile:
+    """The naming profile of the installed vLLM (RuleError naming the version when none fits)."""
+    return profile_for("vllm", vllm.__version__)
+
+
+class DistloadModelLoader(BaseModelLoader):
+    """Fills a vLLM model from a local Hugging Face checkpoint with distload."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        extra = dict(load_config.model_loader_extra_config or {})
+        unknown = sorted(set(extra) - set(OPTIONS))
+        if unknown:
+            raise DistloadError(f"model_loader_extra_config {unknown}: not distload options a vLLM instance "
+                                f"sets; choose from {', '.join(OPTIONS)}")
+        self.options = LoadOptions.from_kwargs(progress=False, **extra)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        checkpoint_dir(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        profile = vllm_profile()  # an unknown vLLM is refused before anything is planned or read
+        options = self.options
+        hf_config = model_config.hf_config
+        if profile.is_draft(getattr(hf_config, "architectures", None)):   # the MTP layers as speculative draft
+            profile, options = profile.as_draft(hf_config.num_hidden_layers), options.replace(mtp="only")
+        into, copies = destinations(model, profile)
+        fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), options, "vllm")
+        for alias, target in copies:
+            alias.copy_(into[target])
+
+
+def checkpoint_dir(model_config: ModelConfig) -> Path:
+    path = Path(model_config.model)
+    if not path.is_dir():
+        raise DistloadError(f"load_format='distload' reads a local checkpoint directory; {model_config.model!r} "
+                            f"is not one: download it first (huggingface-cli download {model_config.model} "
+                            f"--local-dir DIR) and pass DIR")
+    return path
+
+
+def instance_shape() -> dict:
+    """This worker in its vLLM instance: rank, world, tp, pp, ep and expert placement, from vLLM's groups.
+
+    distload's collectives run on torch.distributed's default group, which is vLLM's world group: it
+    must be exactly this instance's tp x pp ranks (no data parallelism). vLLM orders them as distload does
+    (rank = pp_rank * tp + tp_rank) and splits the layers as distload does (VLLM_PP_LAYER_PARTITION too)."""
+    parallel = get_current_vllm_config().parallel_config
+    world_group, tp_group = parallel_state.get_world_group(), parallel_state.get_tp_group()
+    world, tp, pp = world_group.world_size, tp_group.world_size, parallel_state.get_pp_group().world_size
+    if tp * pp != world:
+        raise DistloadError(f"load_format='distload' loads one replica of tp x pp ranks that is the whole "
+                            f"torch.distributed world; this instance has tp {tp}, pp {pp}, world {world}: use "
+                            f"load_format='safetensors' with data parallelism")
+    ep = tp if parallel.enable_expert_parallel else 1  # vLLM's EP group spans a stage's TP ranks
+    return dict(rank=world_group.rank, world=world, tp=tp, pp=pp, ep=ep,
+                expert_placement=parallel.expert_placement_strategy)

@@ -1,0 +1,263 @@
+"""vLLM serves what distload loads: load_format="distload" against vLLM's own safetensors load, at tp 2 on CPU.
+
+Each case starts vLLM instances through tests/vllm_serve.py (one process tree per load format) and
+compares what every worker held (tests/vllm_probe.py): each param as loaded, before vLLM's post-load
+processing, and the whole state_dict after it, bit for bit; for dense models also 16 greedy tokens.
+The same for a distload save served with load_format="sharded_state" (distload/serving/vllm_save.py).
+The instances need vLLM in the running interpreter (scripts/vllm_stage.sh makes such a venv and runs this
+file there); the naming-profile and export tests need none.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distload.errors import DistloadError, PlanError, RuleError
+from distload.inspect_cmd import inspect_load
+from distload.options import LoadOptions
+from distload.serving.names import profile_for
+from distload.serving.vllm_save import architecture_aliased, engine_tensors
+from distload.serving.vllm_save import export as export_for_vllm
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed in this interpreter: scripts/vllm_stage.sh runs "
+                                       "these tests in a venv of their own (pip install 'distload[vllm]')")
+
+HERE = Path(__file__).resolve().parents[1] / "support"  # vllm_serve.py, vllm_probe.py
+SERVE = HERE / "vllm_serve.py"
+SIZES = dict(hidden_size=128, head_dim=32)  # vLLM's CPU attention takes head_dim 32 and up
+# What DeepSeek-V3's released config.json says and transformers' config leaves out: vLLM makes the router's
+# e_score_correction_bias only for topk_method noaux_tc.
+OVERRIDES = {"deepseek_v3": dict(topk_method="noaux_tc", scoring_func="sigmoid")}
+STEPS = 16
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+_runs: dict[tuple, dict] = {}  # one vLLM instance per (checkpoint, format, ep) for the whole module
+
+
+def run_vllm(ckpt: Path, load_format: str, tmp: Path, ep: bool = False, tokens: bool = True, pp: int = 1,
+             mtp: bool = False) -> dict:
+    """One instance's result (vllm_serve.py's JSON); with load_format="distload", also distload's report."""
+    key = (str(ckpt), load_format, ep, tokens, pp, mtp)
+    if key in _runs:
+        return _runs[key]
+    tag = f"{Path(ckpt).name}-{load_format}-{'ep' if ep else 'tp'}-pp{pp}" + "-mtp" * mtp
+    out, report = tmp / f"{tag}.json", tmp / f"{tag}-report.json"
+    extra = {"report": str(report)} if load_format == "distload" else {}
+    cmd = [sys.executable, str(SERVE), str(ckpt), load_format, str(out), "--extra", json.dumps(extra)]
+    cmd += ["--ep"] * ep + ["--tokens"] * tokens + ["--pp", str(pp)] + ["--mtp"] * mtp
+    proc = subprocess.run(cmd, env={**os.environ, **VLLM_ENV}, cwd=HERE, capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"vLLM ({load_format}) exited {proc.returncode}:\n{proc.stderr[-6000:]}")
+    result = json.loads(out.read_text())
+    if load_format == "distload":
+        result["report"] = json.loads(report.read_text())
+    _runs[key] = result
+    return result
+
+
+def assert_same_state(ours: dict, theirs: dict) -> None:
+    assert len(ours["ranks"]) == len(theirs["ranks"]) == 2
+    for rank, (mine, ref) in enumerate(zip(ours["ranks"], theirs["ranks"])):
+        for stage in ("loaded", "processed"):
+            assert ref[stage], f"rank {rank}: no {stage} snapshot"
+            assert mine[stage].keys() == ref[stage].keys(), f"rank {rank} {stage}: different names"
+            differ = sorted(n for n in ref[stage] if mine[stage][n] != ref[stage][n])
+            assert not differ, f"rank {rank} {stage}: params differ: {differ[:10]}"
+
+
+def assert_read_once(result: dict) -> None:
+    report = result["report"]
+    assert report["ok"], report
+    assert report["world_size"] == 2
+    assert report["storage_bytes_read"] == report["checkpoint_bytes"], report
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from hf_models import save_checkpoint
+
+    root = tmp_path_factory.mktemp("vllm_ckpts")
+    made = {}
+
+    def checkpoint(family: str) -> Path:
+        if family not in made:
+            made[family] = save_checkpoint(family, root / family, dtype=torch.bfloat16,
+                                           **{**SIZES, **OVERRIDES.get(family, {})})
+        return made[family]
+    return checkpoint
+
+
+def distload_save(ckpt: Path, out: Path, *extra: str, nproc: int = 2) -> Path:
+    """`distload load CKPT --tp 2 --save-sharded OUT` under torchrun, as a training job would."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "distload", "load",
+           str(ckpt), "--tp", "2", "--save-sharded", str(out), "--no-progress", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dense_tp2_state_and_tokens(family, checkpoints, tmp_path):
+    ckpt = checkpoints(family)
+    ours, theirs = run_vllm(ckpt, "distload", tmp_path), run_vllm(ckpt, "safetensors", tmp_path)
+    assert_same_state(ours, theirs)
+    assert len(theirs["tokens"]) == STEPS
+    assert ours["tokens"] == theirs["tokens"]
+    assert_read_once(ours)
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,ep", [("mixtral", False), ("mixtral", True), ("qwen3_moe", False), ("qwen2_moe", False),
+                                       ("deepseek_v3", False), ("gpt_oss", False)])
+def test_moe_tp2_state(family, ep, checkpoints, tmp_path):
+    ckpt = checkpoints(family)  # no tokens: vLLM's CPU fused-MoE kernel crashes generating with EP
+    ours = run_vllm(ckpt, "distload", tmp_path, ep=ep, tokens=False)
+    theirs = run_vllm(ckpt, "safetensors", tmp_path, ep=ep, tokens=False)
+    assert_same_state(ours, theirs)
+    assert_read_once(ours)
+
+
+@needs_vllm
+def test_mtp_draft_state(checkpoints, tmp_path):
+    """DeepSeek-V3 with its MTP layer served as the speculative draft (vLLM's DeepSeekMTP, loaded through the
+    plugin with mtp="only"): the draft's params as vLLM's default loader fills them, and the target's too. No
+    tokens: vLLM's CPU MLA backend does not generate with these tiny head sizes."""
+    from hf_models import with_whole_mtp_layer
+
+    ckpt = with_whole_mtp_layer(checkpoints("deepseek_v3"), tmp_path / "deepseek_v3_mtp")
+    ours = run_vllm(ckpt, "distload", tmp_path, tokens=False, mtp=True)
+    theirs = run_vllm(ckpt, "safetensors", tmp_path, tokens=False, mtp=True)
+    assert_same_state(ours, theirs)
+    for rank, (mine, ref) in enumerate(zip(ours["ranks"], theirs["ranks"])):
+        assert "draft" in ref and ref["draft"]["loaded"], f"rank {rank}: vLLM built no MTP draft"
+        assert any(".mtp_block." in n for n in ref["draft"]["loaded"]), sorted(ref["draft"]["loaded"])[:10]
+        assert_same_state({"ranks": [mine["draft"]] * 2}, {"ranks": [ref["draft"]] * 2})
+
+
+@needs_vllm
+def test_pipeline_parallel_state(checkpoints, tmp_path):
+    """pipeline_parallel_size 2 (tp 1): each stage's params as vLLM's default loader fills them, the job reading
+    the checkpoint once. No tokens: vLLM's CPU build fails generating with PP, with either loader."""
+    ckpt = checkpoints("llama")
+    ours = run_vllm(ckpt, "distload", tmp_path, tokens=False, pp=2)
+    theirs = run_vllm(ckpt, "safetensors", tmp_path, tokens=False, pp=2)
+    assert_same_state(ours, theirs)
+    assert sorted(ours["ranks"][0]["loaded"]) != sorted(ours["ranks"][1]["loaded"])  # each stage its own layers
+    assert_read_once(ours)
+    assert ours["report"]["pp"] == 2
+
+
+@needs_vllm
+@pytest.mark.parametrize("family,tokens", [("llama", True), ("mixtral", False), ("qwen3_moe", False)])
+def test_distload_save_served_as_sharded_state(family, tokens, checkpoints, tmp_path):
+    ckpt = checkpoints(family)
+    served = export_for_vllm(distload_save(ckpt, tmp_path / "save"), tmp_path / "vllm")
+    ours = run_vllm(served, "sharded_state", tmp_path, tokens=tokens)
+    theirs = run_vllm(ckpt, "safetensors", tmp_path, tokens=tokens)
+    assert_same_state(ours, theirs)
+    assert ours.get("tokens") == theirs.get("tokens")
+
+
+@needs_vllm
+def test_a_vllm_param_no_rule_fills_is_refused_by_name_before_any_read(checkpoints):
+    from distload.engines.contract import check_destinations
+
+    plan = inspect_load(str(checkpoints("llama")), LoadOptions(tp=2)).plan  # headers only
+    specs = plan.specs[0]
+    into = {name: torch.empty(spec.local_shape, dtype=torch.bfloat16) for name, spec in specs.items()}
+    with pytest.raises(PlanError, match=r"no rule fills: 'model\.layers\.0\.self_attn\.extra\.weight'.*"
+                                        r"configs/llama\.toml.*configs/serving/vllm\.toml"):
+        check_destinations({**into, "model.layers.0.self_attn.extra.weight": torch.empty(2)}, specs, plan.family, None,
+                           "vllm")
+    down = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(PlanError, match=rf"{down}: vLLM \[64, 64\], distload's shard"):
+        check_destinations({**into, down: torch.empty(64, 64, dtype=torch.bfloat16)}, specs, plan.family, None, "vllm")
+    check_destinations(into, specs, plan.family, None, "vllm")
+
+
+def test_unknown_vllm_version_is_refused_by_name():
+    with pytest.raises(RuleError, match=r"vllm 0\.99\.1.*add a \[\[profile\]\].*vllm\.toml"):
+        profile_for("vllm", "0.99.1")
+
+
+def test_profile_renames_both_ways_and_knows_the_router_alias():
+    profile = profile_for("vllm", "0.32.0+cpu")
+    engine = "model.layers.3.mlp.experts.routed_experts.w13_weight"
+    assert profile.distload_name(engine) == "model.layers.3.mlp.experts.w13_weight"
+    assert profile.engine_name(profile.distload_name(engine)) == engine
+    assert profile.alias_target("model.layers.3.mlp.experts.gate.weight") == "model.layers.3.mlp.gate.weight"
+    assert profile.aliases_of("model.layers.3.mlp.gate.weight", (".mlp.experts.gate.weight",)) == \
+        ["model.layers.3.mlp.experts.gate.weight"]
+    assert profile_for("vllm", "0.31.2").distload_name(engine) == engine
+
+
+def test_an_alias_suffix_names_the_param_the_model_has():
+    profile = profile_for("vllm", "0.32.0")
+    held = "model.layers.1.mlp.experts._shared_experts._layer.gate_up_proj.weight"
+    qwen2_moe, deepseek = "model.layers.1.mlp.shared_expert.gate_up_proj.weight", \
+        "model.layers.1.mlp.shared_experts.gate_up_proj.weight"
+    assert profile.alias_target(held, {qwen2_moe, held}) == qwen2_moe
+    assert profile.alias_target(held, {deepseek, held}) == deepseek
+    assert profile.alias_target(held, {held}) is None  # no param it could duplicate: a param of its own
+    assert profile.alias_target("model.layers.0.self_attn.mla_attn.mla_attn.kv_b_proj.weight") == \
+        "model.layers.0.self_attn.kv_b_proj.weight"
+
+
+def test_export_names_one_tensor_once_and_adds_attention_scales():
+    profile = profile_for("vllm", "0.32.0")
+    gate, w13 = torch.arange(8.0).reshape(2, 4), torch.arange(24.0).reshape(1, 6, 4)
+    tensors = {"model.layers.0.mlp.gate.weight": gate, "model.layers.0.mlp.experts.w13_weight": w13,
+               "model.layers.0.self_attn.o_proj.weight": torch.zeros(4, 2), "model.embed_tokens.weight": gate}
+    out = engine_tensors(tensors, {"lm_head.weight": "model.embed_tokens.weight"}, profile, aliased=(".mlp.experts.gate.weight",))
+    assert sorted(out) == sorted(["model.layers.0.mlp.experts.gate.weight", "lm_head.weight",
+                                  "model.layers.0.mlp.experts.routed_experts.w13_weight",
+                                  "model.layers.0.self_attn.o_proj.weight",
+                                  *(f"model.layers.0.self_attn.attn.{b}" for b in
+                                    ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"))])
+    assert out["model.layers.0.mlp.experts.gate.weight"] is gate and out["lm_head.weight"] is gate
+    assert out["model.layers.0.self_attn.attn._k_scale"].dtype == torch.float32
+    assert "model.layers.0.mlp.gate.weight" in engine_tensors(tensors, {}, profile, aliased=())
+
+
+def test_export_refuses_an_architecture_without_sharded_state_names():
+    profile = profile_for("vllm", "0.32.0")
+    assert architecture_aliased({"architectures": ["Qwen3MoeForCausalLM"]}, profile, "0.32.0")
+    assert not architecture_aliased({"architectures": ["LlamaForCausalLM"]}, profile, "0.32.0")
+    with pytest.raises(DistloadError, match=r"Qwen2MoeForCausalLM.*\[profile\.sharded_state\].*vllm\.toml"):
+        architecture_aliased({"architectures": ["Qwen2MoeForCausalLM"]}, profile, "0.32.0")
+
+
+def test_save_sharded_for_vllm_writes_what_the_export_writes_beside_a_save_that_still_reloads(checkpoints, tmp_path):
+    """`--save-sharded OUT --for vllm==V` in one job: OUT holds vLLM's files, tensor for tensor what the
+    export (served by vLLM in test_distload_save_served_as_sharded_state) writes, and is still a distload
+    save. A job whose world is not its tp is refused before any byte moves."""
+    from safetensors.torch import load_file
+
+    from distload.serving.vllm_save import VLLM_FILE
+
+    ckpt = checkpoints("llama")
+    out = distload_save(ckpt, tmp_path / "out", "--for", "vllm==0.32.0")
+    reference = export_for_vllm(distload_save(ckpt, tmp_path / "plain"), tmp_path / "exported", "0.32.0")
+    for rank in range(2):
+        ours, theirs = (load_file(d / VLLM_FILE.format(rank=rank)) for d in (out, reference))
+        assert sorted(ours) == sorted(theirs)
+        assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    assert json.loads((out / "config.json").read_text()) == json.loads((reference / "config.json").read_text())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "distload", "load",
+           str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "every param loaded exactly once" in proc.stdout, proc.stderr[-4000:]
+    with pytest.raises(AssertionError, match=r"--for vllm==0\.32\.0: vLLM's sharded_state reads one file per tp rank"):
+        distload_save(ckpt, tmp_path / "replicas", "--for", "vllm==0.32.0", nproc=4)
+    assert not (tmp_path / "replicas").exists()
+

@@ -1,0 +1,86 @@
+"""House rules for the whole tree, read from the source (AST) rather than by importing distload, so a rule
+broken anywhere is reported even where importing that code would fail: no import circles, no private names
+used across modules, modules and functions of a readable size, and a package face that leaves the transfer
+engine and the process group out of `import distload.rules.names` (tests/jobs/test_package_face.py, in a fresh
+interpreter), and tests by kind: each in its kind's folder, none importing another test module."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+
+from source_tree import (ROOT, SUPPORT, TEST_KINDS, import_cycles, import_edges, modules, package_modules, package_roots,
+                         parsed, private_uses, test_modules, where)
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, "import cycles (function-local imports included):\n" + "\n".join(cycles)
+
+
+def test_no_private_names_across_modules():
+    uses = [use for name in sorted(modules()) for use in private_uses(name)]
+    assert not uses, "private names used outside their module (make them public or move them):\n" + "\n".join(uses)
+
+
+def test_modules_are_at_most_400_lines():
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in package_modules().values()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
+
+
+def test_functions_are_at_most_80_lines_outside_scripts():
+    long = []
+    for path in modules().values():
+        if path.parent.name == "scripts":
+            continue
+        for node in ast.walk(parsed(path)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    long.append(f"{where(path, node)}: {node.name} {n} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_every_package_folder_is_packaged():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {name for name, path in package_modules().items() if path.name == "__init__.py"}
+    assert folders <= listed, f"packages missing from pyproject.toml [tool.setuptools] packages: {sorted(folders - listed)}"
+
+
+def test_only_kernels_import_triton():
+    kernels = package_roots()["distload.kernels"]
+    importers = []
+    for path in modules().values():
+        for node in ast.walk(parsed(path)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [getattr(node, "module", None)]
+            if isinstance(node, ast.Import | ast.ImportFrom) and any((n or "").split(".")[0] == "triton" for n in names):
+                if kernels not in path.parents:
+                    importers.append(where(path, node))
+    assert not importers, "triton imported outside kernels/ (call a kernel instead):\n" + "\n".join(importers)
+
+
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/support/; a test module importing another drags its fixtures and its
+    collection along, and hides which helpers are shared."""
+    tests = test_modules()
+    uses = [f"{where(path, node)}: {name} imports {target}" for name, path in tests.items()
+            for target, node in import_edges(name) if target in tests]
+    assert not uses, "test modules importing test modules (move the helper to tests/support/):\n" + "\n".join(uses)
+
+
+def test_tests_sit_in_the_folder_of_their_kind():
+    """tests/<kind>/test_*.py for the kinds tests/conftest.py names; tests/support/ holds no test; nothing else."""
+    tests_dir = ROOT / "tests"
+    misplaced = [str(p.relative_to(ROOT)) for p in tests_dir.rglob("test_*.py")
+                 if p.parent.parent != tests_dir or p.parent.name not in TEST_KINDS]
+    assert not misplaced, f"test modules outside tests/{{{','.join(TEST_KINDS)}}}/:\n" + "\n".join(misplaced)
+    loose = [p.name for p in tests_dir.glob("*.py") if p.name != "conftest.py"]
+    assert not loose, f"modules directly in tests/ (helpers go to tests/{SUPPORT}/): {loose}"

@@ -1,0 +1,38 @@
+"""Whole jobs as a user starts them: `torchrun -m distload ...` and `distload verify` under torchrun, each
+killed with its workers on a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "distload", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun_verify(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "distload", "verify", *args, "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # Own session: on a hang, kill the workers too, not only torchrun (they would outlive the test).
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun verify {' '.join(args)} hung for 180 s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
