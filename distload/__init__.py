@@ -33,37 +33,25 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'distload' has no attribute {name!r}")
 
 
-def load(path, *, tp: int | None = None, ep: int = 1, readers: str | int = "per-node", config: str | None = None,
-         strict: bool = True, device: str | None = None, backend: str | None = None, timeout_s: float = 600.0,
-         staging_mib: float | None = None, read_strategy: str | None = None, expert_placement: str = "linear",
-         expert_map=None, save_sharded: str | None = None, save_for: str | None = None, report: str | None = None,
-         progress: bool = True, reshard: bool = False, checksums: bool = True, hf_config: str | None = None, quantize: str | None = None,
-         dequantize: bool = False, verify_checksums: bool = False, check_finite: bool = False, **misspelt):
-    """Load `path` onto this rank (call it on every rank of the job). Options as `distload load --help`
-    (options.LoadOptions); a misspelt one is refused by name.
+def load(path, **options):
+    """Load `path` onto this rank (call it on every rank of the job). The options are LoadOptions' fields
+    (options.py: each declared once, with its help line; `distload load --help` shows the same ones as flags),
+    e.g. load(path, tp=2, pp=2, readers="per-node", quantize="fp8"); a misspelt one is refused by name.
 
     `path` may also be a --save-sharded directory (each rank reads its own file; another topology needs
     reshard=True) or a torch.distributed.checkpoint directory (hf_config=DIR with the model's config.json).
 
     quantize="fp8" | "fp8-block": quantize a BF16/FP16 checkpoint's linear weights on each rank as they
-    land (params `X.weight` fp8 + `X.weight_scale` / `X.weight_scale_inv`); dequantize=True: an FP8
-    checkpoint's weights as BF16. FP8 checkpoints (config.json quantization_config) load as FP8 by default.
+    land (params `X.weight` fp8 + `X.weight_scale` / `X.weight_scale_inv`); dequantize=True: a quantized
+    checkpoint's weights as BF16. Quantized checkpoints (config.json quantization_config) load as they are.
     verify_checksums: sha256 of each weight file against CKPT/checksums; check_finite: a NaN/Inf scan.
     save_for="vllm" (with save_sharded=OUT, world = tp): OUT also holds what vLLM's load_format="sharded_state"
     reads as it is (serving/vllm_save.py).
     """
-    options = dict(locals())
-    del options["path"], options["misspelt"]
-    return _run(path, {**options, **misspelt})
+    return _run(path, options)
 
 
-def load_into(module, path, *, tp: int | None = None, ep: int = 1, device=None, readers: str | int = "per-node",
-              config: str | None = None, strict: bool = True, backend: str | None = None, timeout_s: float = 600.0,
-              staging_mib: float | None = None, read_strategy: str | None = None, expert_placement: str = "linear",
-              expert_map=None, save_sharded: str | None = None, save_for: str | None = None,
-              report: str | None = None, progress: bool = True, reshard: bool = False, checksums: bool = True, hf_config: str | None = None,
-              quantize: str | None = None, dequantize: bool = False, verify_checksums: bool = False,
-              check_finite: bool = False, **misspelt):
+def load_into(module, path, **options):
     """Fill `module`'s params in place by the same plan; a module on the meta device is materialised first.
 
     The module's param names must be the serving names (`...qkv_proj.weight`, ...) and their shapes this
@@ -71,14 +59,13 @@ def load_into(module, path, *, tp: int | None = None, ep: int = 1, device=None, 
     """
     import torch
 
-    options = dict(locals())
-    del options["module"], options["path"], options["misspelt"], options["torch"]
     from .options import check_option_names
 
-    check_option_names(misspelt)  # before the module is touched
+    check_option_names(options)  # before the module is touched
+    device = options.get("device")
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    options["device"] = str(device)
+    options["device"] = device = str(device)
     if any(p.is_meta for p in module.parameters()):
         _materialise_keeping_ties(module, device)
     # One destination tensor per Parameter object, so tied params stay one tensor (`.data` makes a new
@@ -122,12 +109,31 @@ def _materialise_keeping_ties(module, device) -> None:
         setattr(module.get_submodule(owner), leaf, module.get_parameter(target))
 
 
-def inspect(path, *, tp: int | None = None, ep: int = 1, world: int | None = None, local_world: int | None = None,
-            **options):
-    """Plan a load without processes: the LoadPlan (per rank, params and bytes; see distload.inspect_cmd).
-    Options as `load`; a misspelt one is refused by name."""
+def inspect(path, *, world: int | None = None, local_world: int | None = None, **options):
+    """Plan a load without processes: the LoadPlan (per rank, params and bytes; see distload.inspect_cmd) on
+    `world` ranks (default tp x pp), `local_world` per node (default: one node). The options are the planning
+    ones of `load` (what `distload inspect --help` lists); a load-only one (report, save_sharded, ...) or a
+    misspelt one is refused by name."""
     from .inspect_cmd import inspect_load
-    from .options import LoadOptions
+    from .options import PLAN, LoadOptions, check_option_names
 
-    return inspect_load(str(path), LoadOptions.from_kwargs(tp=tp, ep=ep, **options), world=world,
-                        local_world=local_world).plan
+    check_option_names(options, scope=PLAN)
+    return inspect_load(str(path), LoadOptions.from_kwargs(**options), world=world, local_world=local_world).plan
+
+
+def _signature(*leading: str, scope: str | None = None, extra: dict | None = None):
+    """A function's signature from the one declaration: `leading` positional parameters, then the `extra`
+    keywords, then every declared option of `scope` as a keyword with its default (what help() and IDEs show)."""
+    from inspect import Parameter, Signature
+
+    from .options import declared
+
+    first = [Parameter(name, Parameter.POSITIONAL_OR_KEYWORD) for name in leading]
+    more = [Parameter(name, Parameter.KEYWORD_ONLY, default=v) for name, v in (extra or {}).items()]
+    keywords = [Parameter(f.name, Parameter.KEYWORD_ONLY, default=f.default) for f in declared(scope)]
+    return Signature(first + more + keywords)
+
+
+load.__signature__ = _signature("path")
+load_into.__signature__ = _signature("module", "path")
+inspect.__signature__ = _signature("path", scope="plan", extra={"world": None, "local_world": None})

@@ -100,6 +100,17 @@ def check_backend(backend: str | None) -> None:
 EXPERT_MAP_SHAPE = 'a list per rank of global expert ids, e.g. [[0, 1], [2, 3]], or {"ranks": [[0, 1], [2, 3]]}'
 
 
+def parse_readers(text: str) -> str | int:
+    """--readers on the command line: 'per-node', 'owners' or a number of readers (check_readers checks it)."""
+    if text in ("per-node", "owners"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise OptionError(f"--readers {text!r}: choose 'per-node', 'owners' (one node only) or a number of "
+                          f"readers") from None
+
+
 def read_expert_map(path: str, world: int | None = None) -> list[list[int]]:
     """--expert-map FILE: JSON, a list (one entry per rank) of lists of global expert ids, or {"ranks": that};
     each expert hosted by one rank only."""

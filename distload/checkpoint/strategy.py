@@ -21,10 +21,11 @@ import os
 import psutil
 
 from .legacy import LEGACY_SUFFIXES
+from ..options import READ_STRATEGIES
 
 log = logging.getLogger("distload")
 
-STRATEGIES = ("plain", "threaded", "threaded-cold", "prefetch", "odirect")
+STRATEGIES = READ_STRATEGIES   # declared with the --read-strategy option
 # File systems where every read is a network round trip, so hinting ahead pays off.
 NETWORK_FS_PREFIXES = ("nfs", "lustre", "fuse", "ceph", "gpfs")
 # Prefetched pages live in the page cache; past half of free RAM they would evict each other (or the app).

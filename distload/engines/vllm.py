@@ -24,14 +24,13 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..errors import DistloadError
-from ..options import LoadOptions
+from ..options import LoadOptions, declared
 from ..serving.names import NamingProfile, profile_for
 from .contract import destinations, fill_from_checkpoint
 
 LOAD_FORMAT = "distload"
-# model_loader_extra_config keys: the LoadOptions a serving instance may set (vLLM's groups give the rest).
-OPTIONS = ("readers", "staging_mib", "verify_checksums", "checksums", "report", "read_strategy", "config",
-           "timeout_s", "check_finite")
+# model_loader_extra_config keys: the LoadOptions declared settable by an engine (vLLM's groups give the rest).
+OPTIONS = tuple(f.name for f in declared(engine=True))
 
 
 def register() -> None:
