@@ -1,8 +1,8 @@
 """The hostile corpus (tests/support/hostile/), every case a real torchrun job: each gets its expected outcome.
 
-Cases distload does not handle yet are listed in KNOWN_FAILING, the one place that keeps the suite green
-while they are open (strict xfail: a case that starts passing must leave the list). `pytest -s` prints the
-table; `python -m tests.support.hostile` runs the corpus alone.
+Every case of the suite's corpus must get its expected outcome: a case distload does not handle yet is not in
+CASES (it may wait in a module's EXTRA, which `python -m tests.support.hostile --all` runs too). `pytest -s`
+prints the table; `python -m tests.support.hostile` runs the corpus alone.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ pytestmark = pytest.mark.hostile
 
 JOBS_AT_ONCE = int(os.environ.get("HOSTILE_JOBS", "6"))  # torchrun mostly waits; CPU bounds the rest
 
-# Cases distload does not handle yet, by the outcome they get today (strict xfails): none open now.
-KNOWN_FAILING: dict[str, str] = {}
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
@@ -29,17 +26,7 @@ def results(tmp_path_factory):
     return {r.case.id: r for r in found}
 
 
-def _param(case):
-    if case.id in KNOWN_FAILING:
-        return pytest.param(case.id, marks=pytest.mark.xfail(strict=True, reason=f"issue 17: {KNOWN_FAILING[case.id]}"))
-    return case.id
-
-
-def test_known_failing_names_real_cases():
-    assert set(KNOWN_FAILING) <= {c.id for c in CASES}
-
-
-@pytest.mark.parametrize("case_id", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case_id", [c.id for c in CASES])
 def test_case_gets_its_expected_outcome(results, case_id):
     r = results[case_id]
     assert r.outcome == r.case.expect, (f"{case_id}: expected {r.case.expect}, got {r.outcome} in {r.seconds:.1f}s: "
