@@ -45,7 +45,7 @@ _PROBE = r"""
 import gc, json, sys
 import torch, distload
 import distload.loader as loader
-import distload.sources as sources
+import distload.sources.checkpoint as sources
 from distload.options import LoadOptions
 seen = []
 plan = sources.build_plan

@@ -32,7 +32,7 @@ def test_work_within_its_seconds_and_unbounded_work_run_to_the_end():
 
 def _slow_planning_load(path: str) -> str:
     import distload
-    import distload.sources as sources
+    import distload.sources.checkpoint as sources
 
     def slow_build_plan(*args, **kwargs):  # a planner stuck in pure Python (ends alone if never stopped)
         start = time.monotonic()
