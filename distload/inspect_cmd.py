@@ -48,9 +48,10 @@ def inspect_load(path: str, options: LoadOptions, world: int | None = None,
     """The plan and route of a load of `path` by `options` on `world` ranks (default tp), `local_world` per
     node (default all on one node), by the same source and route decision as the load; `rank`'s planning
     as the load does it (timed), then the whole job's plan."""
-    world = world or (options.tp or 1) * options.pp
+    world = (options.tp or 1) * options.pp if world is None else world
+    local_world = world if local_world is None else local_world
+    layout = layout_for(world, local_world, options)   # refuses what a load would refuse (topology.check_world)
     _check_rank(rank, world)
-    layout = layout_for(world, local_world or world, options)
     source = source_for(path, options)
     found = source.discover()
     rss0, cpu0 = _rss_bytes(), time.process_time()

@@ -166,10 +166,25 @@ def reader_ranks(world: int, local_world: int, readers: str | int) -> tuple[int,
     return tuple(sorted(order[:n]))
 
 
+def check_world(world, local_world) -> None:
+    """The job's ranks and ranks per node, as torchrun gives them (WORLD_SIZE, LOCAL_WORLD_SIZE) or `inspect` is
+    told (--world, --local-world): whole numbers >= 1, the world a whole number of nodes."""
+    for what, value in (("world size", world), ("ranks per node", local_world)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise DistloadError(f"the {what} must be a whole number of at least 1, got {value!r} ({WORLD_SOURCES})")
+    if world % local_world:
+        raise DistloadError(f"the world size {world} is not a whole number of nodes of {local_world} ranks "
+                            f"({WORLD_SOURCES}); every node runs the same number of ranks")
+
+
+WORLD_SOURCES = "torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE; inspect's --world and --local-world"
+
+
 def layout_for(world: int, local_world: int, options: LoadOptions, env=None) -> Layout:
     """The job's Layout for `options` (a LoadOptions) on `world` ranks, `local_world` per node. Without
     --pp-layers the partition is VLLM_PP_LAYER_PARTITION's from `env` (default os.environ), as vLLM's."""
     env = os.environ if env is None else env
+    check_world(world, local_world)
     pp_layers, source = options.pp_layers, "--pp-layers"
     if pp_layers is None and options.pp > 1:
         pp_layers, source = parse_partition(env.get(PARTITION_ENV), PARTITION_ENV), PARTITION_ENV

@@ -128,6 +128,9 @@ def read_expert_map(path: str, world: int | None = None) -> list[list[int]]:
         if "ranks" not in data:
             raise OptionError(f"--expert-map {path}: a JSON object needs the key 'ranks' ({EXPERT_MAP_SHAPE})")
         data = data["ranks"]
+    if data is None:   # a file given is a map asked for: null is not "no map" (that is leaving --expert-map out)
+        raise OptionError(f"--expert-map {path}: holds null where the map should be; expected {EXPERT_MAP_SHAPE} "
+                          f"(or leave --expert-map out for the default placement)")
     check_expert_map(data, f"--expert-map {path}")
     if world is not None and len(data) != world:
         raise OptionError(f"--expert-map {path}: lists {len(data)} ranks, the job has {world}; one entry per rank")

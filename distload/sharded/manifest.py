@@ -25,8 +25,18 @@ from ..rules import STYLES
 from ..topology import PLACEMENTS
 
 FORMAT = "distload-sharded"
-FORMAT_VERSION = 2          # 2: per-rank byte offsets and the original checkpoint's tensors (for --reshard)
+FORMAT_VERSION = 3          # 2: per-rank byte offsets and the original checkpoint's tensors (for --reshard);
+                            # 3: the manifest's own sha256 (an edited manifest is refused)
 MANIFEST = "manifest.json"
+
+
+DIGEST = "manifest_sha256"
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest without its own digest, as canonical JSON (key order and spacing fixed)."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def checksum(t: torch.Tensor) -> str:
@@ -93,6 +103,12 @@ def read_manifest(path: str | os.PathLike) -> dict:
             else "upgrade distload to read it"
         raise CheckpointError(f"{mpath}: format_version {version!r}, this distload reads {FORMAT_VERSION}; {hint}")
     check_manifest(manifest, mpath)
+    digest = manifest.get(DIGEST)
+    if digest != manifest_digest(manifest):
+        found = f"records {digest!r}" if DIGEST in manifest else "has none"
+        raise CheckpointError(f"{mpath}: {DIGEST}: the manifest's own checksum is {manifest_digest(manifest)[:16]}..., "
+                              f"the manifest {found}: it was edited or damaged since the save (its fields no longer "
+                              f"vouch for the rank files); save again")
     return manifest
 
 
@@ -167,8 +183,31 @@ def check_manifest(manifest: dict, mpath: Path) -> None:
                       entry.get("dtype"))
         damage.expect(_is_shape(entry.get("shape")), field + ".shape", SHAPE, entry.get("shape"))
     stage_of = [(r // manifest["tp"]) % pp for r in range(world)]
+    check_stages(damage, manifest, stage_of)
     for name, entry in manifest["params"].items():
         check_param(damage, manifest["params"], name, entry, stage_of)
+
+
+def check_stages(damage: _Damage, manifest: dict, stage_of: list[int]) -> None:
+    """A save of several pipeline stages says which layers each holds (pp_layers, rank_stages) and which stages
+    each param is on (pp_ranks): a manifest claiming stages without them describes no save distload made."""
+    pp = manifest.get("pp", 1)
+    if pp == 1:
+        return
+    for key, want in (("pp_layers", f"{pp} layer counts"), ("rank_stages", "per rank its stage and layers")):
+        if key not in manifest:
+            raise damage(key, f"{want} (a save of pp {pp} records them)", missing=True)
+    starts = [sum(manifest["pp_layers"][:s]) for s in range(pp)]
+    for r, rec in enumerate(manifest["rank_stages"]):
+        s = stage_of[r] if r < len(stage_of) else None
+        want = {"pp_rank": s, "layers": [starts[s], starts[s] + manifest["pp_layers"][s]]} if s is not None else None
+        damage.expect(rec == want, f"rank_stages[{r}]", f"{want} (from pp, tp and pp_layers)", rec)
+    damage.expect(len(manifest["rank_stages"]) == len(stage_of), "rank_stages", f"{len(stage_of)} records",
+                  manifest["rank_stages"])
+    unplaced = [n for n, e in manifest["params"].items() if isinstance(e, dict) and "pp_ranks" not in e]
+    if unplaced:
+        raise damage(f"params[{json.dumps(unplaced[0])}].pp_ranks", f"the stages that hold it (a save of pp {pp} "
+                     "records them for every param)", missing=True)
 
 
 def check_param(damage: _Damage, params: dict, name: str, entry, stage_of: list[int]) -> None:

@@ -30,7 +30,7 @@ from ..plan.reshard import rank_file
 from ..transfer import broadcast_object
 from ..transfer.collectives import count_over_ranks, gather_objects
 from ..transfer.agreement import run_phase
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, byte_view, hidden, siblings
+from .manifest import DIGEST, FORMAT, FORMAT_VERSION, MANIFEST, byte_view, hidden, manifest_digest, siblings
 
 log = logging.getLogger("distload")
 
@@ -120,8 +120,8 @@ def save_sharded(out: str | os.PathLike, rank: int, params: dict[str, torch.Tens
         if tensors is None:   # every tensor some rank received, other blocks' too (a rank's plan lacks their sources)
             tensors = {e.name: {"dtype": e.dtype, "shape": list(e.shape)} for e in plan.received}
         part = tmp / f"{MANIFEST}.part"
-        part.write_text(json.dumps(_manifest(plan, specs, records, hf_config, source, tensors), indent=1,
-                                   sort_keys=True))
+        manifest = _manifest(plan, specs, records, hf_config, source, tensors)
+        part.write_text(json.dumps({**manifest, DIGEST: manifest_digest(manifest)}, indent=1, sort_keys=True))
         _fsync_path(part)
         os.rename(part, tmp / MANIFEST)
         _fsync_path(tmp)

@@ -658,10 +658,14 @@ def test_threaded_cold_copies_cached_pages_inline_and_reads_the_rest_in_threads(
         fh.flush()
         os.fsync(fh.fileno())
     out = torch.empty(len(data), dtype=torch.uint8)
-    path.read_bytes()  # every page cached: one inline copy, no thread started
-    with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
-        reader.read_into("f", 0, out)
-        assert bytes(out.numpy()) == data and reader._pool is None
+    for _ in range(3):  # under memory pressure a page may leave the cache before the read: try again
+        path.read_bytes()  # every page cached: one inline copy, no thread started
+        with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
+            reader.read_into("f", 0, out)
+            inline = reader._pool is None
+        if inline:
+            break
+    assert bytes(out.numpy()) == data and inline
 
     def cache_only_the_head(head: int) -> None:  # no read-ahead on this descriptor
         evict_from_page_cache(path)
@@ -681,12 +685,17 @@ def test_threaded_cold_copies_cached_pages_inline_and_reads_the_rest_in_threads(
         if cached < len(data):
             break
     assert 0.9 * head <= cached < len(data) and bytes(probe[:cached]) == data[:cached]
-    time.sleep(0.3)  # a miss under RWF_NOWAIT may still start read-ahead: let it land before evicting again
-    cache_only_the_head(head)
-    with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
-        out.zero_()
-        reader.read_into("f", 0, out)  # the cached head inline, the rest from storage in threads
-        assert bytes(out.numpy()) == data and reader._pool is not None
+    for _ in range(3):  # the kernel may read ahead past the head on a busy machine (then all is cached): again
+        time.sleep(0.3)  # a miss under RWF_NOWAIT may still start read-ahead: let it land before evicting again
+        cache_only_the_head(head)
+        with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
+            out.zero_()
+            reader.read_into("f", 0, out)  # the cached head inline, the rest from storage in threads
+            threaded = reader._pool is not None
+        assert bytes(out.numpy()) == data
+        if threaded:
+            break
+    assert threaded
     with RangeReader(str(tmp_path), strategy="threaded-cold") as reader:
         reader._nowait = False  # a file system that refuses RWF_NOWAIT: every byte through the threads
         out.zero_()

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from distload.errors import CheckpointError
-from distload.sharded.manifest import FORMAT, FORMAT_VERSION, MANIFEST, check_manifest, read_manifest
+from distload.sharded.manifest import (DIGEST, FORMAT, FORMAT_VERSION, MANIFEST, check_manifest, manifest_digest,
+                                       read_manifest)
 
 SHA = "0" * 64
 
@@ -62,6 +63,8 @@ DAMAGE = [
 def test_damaged_field_is_named(tmp_path, case, edit, needle):
     manifest = copy.deepcopy(valid())
     edit(manifest)
+    if isinstance(manifest, dict):   # the damage is what is named, not the checksum it breaks
+        manifest[DIGEST] = manifest_digest(manifest)
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError) as info:
         read_manifest(tmp_path)
@@ -70,3 +73,31 @@ def test_damaged_field_is_named(tmp_path, case, edit, needle):
 
 def test_valid_manifest_passes(tmp_path):
     check_manifest(valid(), tmp_path / MANIFEST)
+
+
+def test_an_edited_manifest_is_refused_by_its_own_checksum(tmp_path):
+    """Every field valid, but not what the save wrote: a tp-2 save claimed as pp 2 x tp 1, or a shape changed."""
+    manifest = valid()
+    (tmp_path / MANIFEST).write_text(json.dumps({**manifest, DIGEST: manifest_digest(manifest)}))
+    assert read_manifest(tmp_path)["tp"] == 2
+    edited = copy.deepcopy(manifest)
+    edited["params"]["lm_head.weight"]["ranks"][1]["local_shape"] = [8, 4]
+    (tmp_path / MANIFEST).write_text(json.dumps({**edited, DIGEST: manifest_digest(manifest)}))
+    with pytest.raises(CheckpointError, match=r"manifest_sha256: .*edited or damaged since the save.*save again"):
+        read_manifest(tmp_path)
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))   # no checksum at all
+    with pytest.raises(CheckpointError, match=r"manifest_sha256: .*has none"):
+        read_manifest(tmp_path)
+
+
+def test_a_manifest_claiming_stages_without_their_records_is_damaged(tmp_path):
+    manifest = valid()
+    manifest.update(tp=1, pp=2)   # what a tp-2 save edited to claim two pipeline stages looks like
+    with pytest.raises(CheckpointError, match=r"pp_layers: expected 2 layer counts .*missing"):
+        check_manifest(manifest, tmp_path / MANIFEST)
+    manifest.update(pp_layers=[1, 1], rank_stages=[{"pp_rank": 0, "layers": [0, 1]}, {"pp_rank": 0, "layers": [0, 1]}])
+    with pytest.raises(CheckpointError, match=r"rank_stages\[1\]: expected \{'pp_rank': 1, 'layers': \[1, 2\]\}"):
+        check_manifest(manifest, tmp_path / MANIFEST)
+    manifest["rank_stages"][1] = {"pp_rank": 1, "layers": [1, 2]}
+    with pytest.raises(CheckpointError, match=r'params\["lm_head.weight"\].pp_ranks: .*missing'):
+        check_manifest(manifest, tmp_path / MANIFEST)
