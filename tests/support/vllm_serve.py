@@ -2,7 +2,7 @@
 load CKPT with LOAD_FORMAT, collect every worker's state (vllm_probe.StateProbe), optionally generate
 greedy tokens, and write it all as JSON.
 
-    python tests/vllm_serve.py CKPT LOAD_FORMAT OUT.json [--ep] [--tokens] [--mtp] [--extra JSON]
+    python tests/support/vllm_serve.py CKPT LOAD_FORMAT OUT.json [--ep] [--tokens] [--mtp] [--extra JSON]
 
 --mtp serves the checkpoint's multi-token-prediction layer as the speculative-decoding draft (vLLM's DeepSeekMTP).
 """
@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-import vllm_probe  # noqa: F401  (installs the load hook in this process, which forked workers inherit)
+# Its own folder on sys.path: run as a script under PYTHONSAFEPATH=1 (scripts/vllm_stage.sh), Python adds none.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_probe  # noqa: E402, F401  (installs the load hook in this process, which forked workers inherit)
 
 PROMPT = [1, 17, 42, 99, 7, 3, 150, 64]
 STEPS = 16
