@@ -3,7 +3,8 @@
 #   bash scripts/test.sh            the whole suite (what CI runs), then the vLLM stage (scripts/vllm_stage.sh:
 #                                   real vLLM CPU at tp 2, in a venv of its own; DISTLOAD_VLLM_STAGE=0 skips it)
 #   bash scripts/test.sh --fast     only the pure tests (tests/pure/: no process, no transformers model); installs
-#                                   only when distload is not importable from this checkout yet
+#                                   (distload and pytest only: scripts/setup.sh --fast) only when distload is not
+#                                   importable from this checkout yet
 # Further arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +21,12 @@ here = spec is not None and pathlib.Path(spec.origin).resolve().parent == pathli
 sys.exit(0 if here and importlib.util.find_spec("pytest") else 1)
 PY
 }
-if [[ ${#select[@]} -eq 0 ]] || ! installed_here; then
+if [[ ${#select[@]} -eq 0 ]]; then
+  echo "test.sh: installing distload from this checkout with what the whole suite needs (scripts/setup.sh --test)"
   bash scripts/setup.sh --test || exit 1
+elif ! installed_here; then
+  echo "test.sh: first run here: installing distload from this checkout and pytest (scripts/setup.sh --fast)"
+  bash scripts/setup.sh --fast || exit 1
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The checkout's own folder off sys.path (here and in every process the tests start): its top-level kernels/
