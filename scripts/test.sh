@@ -13,12 +13,12 @@ if [[ "${1:-}" == "--fast" ]]; then
   shift
   select=(tests/pure)
 fi
-installed_here() {  # distload importable from this checkout, with pytest: the fast run skips reinstalling
-  python - <<'PY' 2>/dev/null
+installed_here() {  # distload importable from this checkout (and, with "pytest", pytest too)
+  python - "$@" <<'PY' 2>/dev/null
 import importlib.util, pathlib, sys
 spec = importlib.util.find_spec("distload")  # finds without importing: the check costs no torch import
 here = spec is not None and pathlib.Path(spec.origin).resolve().parent == pathlib.Path("distload").resolve()
-sys.exit(0 if here and importlib.util.find_spec("pytest") else 1)
+sys.exit(0 if here and (sys.argv[1:] != ["pytest"] or importlib.util.find_spec("pytest")) else 1)
 PY
 }
 if [[ ${#select[@]} -eq 0 ]]; then
@@ -27,6 +27,9 @@ if [[ ${#select[@]} -eq 0 ]]; then
 elif ! installed_here; then
   echo "test.sh: first run here: installing distload from this checkout and pytest (scripts/setup.sh --fast)"
   bash scripts/setup.sh --fast || exit 1
+elif ! installed_here pytest; then  # after the README's first command: distload is there, pytest is not
+  echo "test.sh: installing pytest (the pure tests need nothing else)"
+  python -m pip install -q "pytest>=8" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The checkout's own folder off sys.path (here and in every process the tests start): its top-level kernels/
