@@ -150,11 +150,11 @@ def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | 
                  f"{totals['fanouts']:,} fan-outs to replicas, {totals['bytes_read']:,} bytes read from storage")
     own = inspection.rank_plan if inspection is not None and inspection.rank == rank else None
     mine = rank_traffic(own or plan, rank)   # the rank's plan gives the same (tests/test_rank_plans.py)
-    cost = (f"planned in {inspection.plan_seconds:.2f} CPU s, peak +{inspection.plan_peak_bytes / 2**20:.0f} MiB"
+    cost = (f"its planning {inspection.plan_seconds:.2f} CPU s, peak +{inspection.plan_peak_bytes / 2**20:.0f} MiB"
             + (f" ({len(own.sources):,} sources, {len(own.buckets):,} buckets of its block's part); "
                if own is not None and own.planned_for is not None else "; ")
             if own is not None else "")
-    lines.append(f"planned for rank {rank} of {layout.world} (no process started): {cost}{mine['messages']:,} messages "
+    lines.append(f"rank {rank} of {layout.world} as planned (no process started): {cost}{mine['messages']:,} messages "
                  f"({mine['sends']:,} sends, {mine['receives']:,} receives, {mine['broadcasts']:,} broadcasts, "
                  f"{mine['fanouts']:,} fan-outs); it would read {mine['bytes_read']:,} B, send "
                  f"{mine['bytes_sent']:,} B, receive {mine['bytes_received']:,} B (bytes counted once per rank they "

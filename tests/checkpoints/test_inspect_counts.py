@@ -21,5 +21,5 @@ def test_bytes_sent_are_bytes_received(dense_checkpoints, family, tp, world, loc
 def test_inspect_says_what_is_planned_for_a_rank(dense_checkpoints):
     inspection = inspect_load(dense_checkpoints["llama"], LoadOptions(tp=2))
     text = describe_plan(inspection.plan, inspection.route, rank=1, inspection=inspection)
-    line = next(l for l in text.splitlines() if l.startswith("planned for rank 1 of 2 (no process started)"))
+    line = next(l for l in text.splitlines() if l.startswith("rank 1 of 2 as planned (no process started): "))
     assert "it would read 0 B" in line and "bytes counted once per rank they reach" in line, line
