@@ -54,7 +54,8 @@ class DistloadModelLoader(BaseModelLoader):
             self.options = options_of(dict(load_config.model_loader_extra_config or {}))
 
     def download_model(self, model_config: ModelConfig) -> None:
-        checkpoint_dir(model_config)
+        with surfaced(worker_rank()):
+            checkpoint_dir(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         with surfaced(worker_rank()):
