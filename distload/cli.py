@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import tempfile
 
@@ -74,18 +75,30 @@ def cmd_inspect(args) -> int:
 
 def cmd_demo(args) -> int:
     from . import topology
-    from .demo import make_demo_checkpoint
-    from .loader import run_load
-    from .transfer import barrier, broadcast_object
+    from .transfer import broadcast_object
 
     options = load_options(args)
     topo = topology.from_environment(options)
     topology.init_process_group(topo)
-    path = args.path
-    if path is None:
-        # One node makes the checkpoint where every rank of it can see it (the demo is single-node).
-        path = broadcast_object(tempfile.mkdtemp(prefix="distload-demo-") if topo.rank == 0 else None, src=0)
-    if topo.rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+    if args.path is not None:
+        return demo_in(args.path, topo.rank, options)
+    # One node makes the checkpoint where every rank of it can see it (the demo is single-node), and removes it after.
+    path = broadcast_object(tempfile.mkdtemp(prefix="distload-demo-") if topo.rank == 0 else None, src=0)
+    try:
+        return demo_in(path, topo.rank, options)
+    finally:
+        if topo.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"distload demo: removed {path} (give the demo a PATH to keep its checkpoint)", flush=True)
+
+
+def demo_in(path: str, rank: int, options) -> int:
+    """The demo's load of the checkpoint at `path` (made there first when it has none), and its per-rank lines."""
+    from .demo import make_demo_checkpoint
+    from .loader import run_load
+    from .transfer import barrier
+
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         make_demo_checkpoint(path)
         print(f"distload demo: wrote a Llama-shaped bf16 checkpoint (3 safetensors files) to {path}", flush=True)
     barrier()

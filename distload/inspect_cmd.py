@@ -70,15 +70,21 @@ def _check_rank(rank: int, world: int) -> None:
 
 
 def rank_traffic(plan: LoadPlan, rank: int) -> dict:
-    """What `rank` posts during the bucketed transfer (shared memory off): its ops by kind, and its bytes."""
+    """What `rank` posts during the bucketed transfer (shared memory off): its ops by kind, and its bytes. Bytes
+    count once per rank they reach, on both sides: a broadcast's root sends its bytes to each of the other ranks
+    (as a fan-out's leader does to its group), so the job's bytes sent equal its bytes received."""
     counts = {"sends": 0, "receives": 0, "broadcasts": 0, "fanouts": 0}
     sent = received = read = 0
+    world = plan.layout.world
     for b in plan.buckets:
         read += b.read_bytes if b.reader == rank else 0
         for op in wire_ops(plan, b, rank, False):
             if op.kind == BROADCAST:
                 counts["broadcasts"] += 1
-                received += op.nbytes if rank != b.reader else 0
+                if rank == b.reader:
+                    sent += op.nbytes * (world - 1)
+                else:
+                    received += op.nbytes
             elif op.kind == FANOUT:
                 counts["fanouts"] += 1
                 sent += op.nbytes * (op.group.count - 1) if op.peer == rank else 0
@@ -145,14 +151,15 @@ def describe_plan(plan: LoadPlan, route: Route, rank: int = 0, per_rank: bool | 
                  f"{totals['fanouts']:,} fan-outs to replicas, {totals['bytes_read']:,} bytes read from storage")
     own = inspection.rank_plan if inspection is not None and inspection.rank == rank else None
     mine = rank_traffic(own or plan, rank)   # the rank's plan gives the same (tests/test_rank_plans.py)
-    cost = (f"planned in {inspection.plan_seconds:.2f} CPU s, peak +{inspection.plan_peak_bytes / 2**20:.0f} MiB"
+    cost = (f"its planning {inspection.plan_seconds:.2f} CPU s, peak +{inspection.plan_peak_bytes / 2**20:.0f} MiB"
             + (f" ({len(own.sources):,} sources, {len(own.buckets):,} buckets of its block's part); "
                if own is not None and own.planned_for is not None else "; ")
             if own is not None else "")
-    lines.append(f"rank {rank}: {cost}{mine['messages']:,} messages ({mine['sends']:,} sends, {mine['receives']:,} "
-                 f"receives, {mine['broadcasts']:,} broadcasts, {mine['fanouts']:,} fan-outs); reads "
-                 f"{mine['bytes_read']:,} B, sends {mine['bytes_sent']:,} B, receives {mine['bytes_received']:,} B, "
-                 f"keeps {_kept(plan, rank):,} B")
+    lines.append(f"rank {rank} of {layout.world} as planned (no process started): {cost}{mine['messages']:,} messages "
+                 f"({mine['sends']:,} sends, {mine['receives']:,} receives, {mine['broadcasts']:,} broadcasts, "
+                 f"{mine['fanouts']:,} fan-outs); it would read {mine['bytes_read']:,} B, send "
+                 f"{mine['bytes_sent']:,} B, receive {mine['bytes_received']:,} B (bytes counted once per rank they "
+                 f"reach), keep {_kept(plan, rank):,} B")
     if per_rank if per_rank is not None else layout.world <= PER_RANK_TABLE_UPTO:
         lines += _per_rank_table(plan, route)
     return "\n".join(lines)

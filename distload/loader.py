@@ -20,14 +20,14 @@ from .transfer.delivery import transfer_phase
 from .dtypes import torch_dtype
 from .errors import PlanError
 from .gc_freeze import with_earlier_objects_frozen
-from .serving.export import check_save_for_layout, export
+from .serving.export import check_save_for_layout, check_save_for_model, export, resolve_save_for, serves_line
 from .checkpoint.integrity import finite_verdict, nonfinite
 from .rules.names import describe
 from .options import LoadOptions
 from .plan import LoadPlan, ParamSpec
 from .postprocess import PostProcess
 from .reconcile import Verdict, reconcile
-from .report import PhaseClock, build_report, rank_record, summary_line, write_report
+from .report import PhaseClock, build_report, rank_record, saved_line, summary_line, write_report
 from .sharded.manifest import is_sharded_save
 from .sharded.reload import ShardedSource
 from .sharded.save import save_sharded
@@ -114,6 +114,8 @@ def source_for(path: str, options: LoadOptions) -> Source:
 def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] | None = None) -> LoadResult:
     """Load `path` onto this rank by `options` (every rank of the job calls it); `into`: the caller's tensors."""
     validate_load_options(str(path), options)  # the save not inside the checkpoint: before any rendezvous
+    # --for ENGINE: its version (named, or the installed engine's) and a naming profile for it, before any read
+    options = options.replace(save_for=resolve_save_for(options.save_for))
     clock = PhaseClock()
     source = source_for(str(path), options)
     topo = topology.from_environment(options)
@@ -132,6 +134,7 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     clock.lap("topology")
     found = run_phase("discover", lambda: shared_from_rank0(headers))
     origin = source.origin(found)
+    check_save_for_model(options.save_for, origin.config)   # the engine serves this model's save: before any read
     clock.lap("discover")
 
     def plan_within_timeout():
@@ -221,4 +224,7 @@ def hand_off(result: LoadResult, clock: PhaseClock, origin, options: LoadOptions
         if options.report:
             write_report(result.report, options.report)
         print(summary_line(result.report), flush=True)
+        if options.save_sharded:
+            serves = options.save_for and serves_line(options.save_for, result.report["saved_to"], result.report["tp"])
+            print(saved_line(result.report, serves), flush=True)
     return result

@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 
-from .errors import DistloadError
+from .errors import DistloadError, OptionError
 from .rules.mtp import check_mode
 from .stages import parse_partition
 from .validate import check_options, parse_readers, read_expert_map
@@ -128,7 +129,9 @@ class LoadOptions:
         "tp = the world size)", scope=LOAD, flag="--for", metavar="SERVER")
     report: str | None = option(None, "write the report JSON to FILE (rank 0)", scope=LOAD, engine=True,
                                 metavar="FILE")
-    progress: bool = option(True, "no progress bar (default: one on rank 0 when stderr is a terminal)", scope=LOAD)
+    # progress="log" (no flag): log lines instead of a bar, for an engine's workers, whose output is no terminal
+    progress: bool | str = option(True, "no progress bar (default: one on rank 0 when stderr is a terminal)",
+                                  scope=LOAD)
     reshard: bool = option(False, "loading a --save-sharded directory saved on another topology: re-cut its shards "
                            "for this job")
     checksums: bool = option(True, "reloading a --save-sharded directory: skip the sha256 check of the bytes read",
@@ -158,6 +161,7 @@ class LoadOptions:
             object.__setattr__(self, "pp_layers", parse_partition(self.pp_layers))
         check_options(self)
         check_mode(self.mtp)
+        check_kinds(self)
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         if self.expert_map is not None:
@@ -180,6 +184,21 @@ class LoadOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LoadOptions))
+PROGRESS_VALUES = (True, False, "log")
+
+
+def check_kinds(options: LoadOptions) -> None:
+    """What argparse checks on the command line, for the Python API and engines' configs too: an option with
+    choices takes one of them, a switch is True or False (`progress` also "log")."""
+    for f in declared():
+        value, choices = getattr(options, f.name), f.metadata["cli"].get("choices")
+        if choices and value not in choices and not (value is None and f.default is None):
+            raise OptionError(f"{flag_of(f)} {value!r}: choose one of {', '.join(choices)}")
+        allowed = PROGRESS_VALUES if f.name == "progress" else (True, False)
+        if isinstance(f.default, bool) and not any(value is v if isinstance(v, bool) else value == v
+                                                   for v in allowed):
+            raise OptionError(f"{flag_of(f)} {value!r}: a switch, True or False"
+                              + (" (or 'log': log lines instead of a bar)" if f.name == "progress" else ""))
 
 
 def declared(scope: str | None = None, engine: bool = False) -> tuple[dataclasses.Field, ...]:
@@ -199,6 +218,14 @@ def flag_of(f: dataclasses.Field) -> str:
         return f.metadata["flag"]
     name = f.name.replace("_", "-")
     return f"--no-{name}" if f.default is True else f"--{name}"
+
+
+def as_config_keys(message: str) -> str:
+    """An option error in the words of an engine's loader config, which names options by key: `"readers": 'x'`
+    where the command line says `--readers 'x'`."""
+    for f in declared(engine=True):
+        message = re.sub(rf"(?<![\w-]){re.escape(flag_of(f))}(?![\w-])", f'"{f.name}":', message)
+    return message
 
 
 def check_option_names(kwargs: dict, scope: str | None = None) -> None:

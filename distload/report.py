@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .transfer.progress import rate, size
+
 
 class PhaseClock:
     """Seconds per phase and in total, in the order the phases ran."""
@@ -95,16 +97,26 @@ def write_report(report: dict, path: str | os.PathLike) -> None:
 
 
 def summary_line(report: dict) -> str:
-    gb = report["checkpoint_bytes"] / 1e9
+    """Rank 0's one line. param_shards: the params the ranks hold, summed over the ranks (a param cut over tp 2 is
+    2 shards; a pipeline stage's layers are held by its ranks only): the report's `params`."""
     total = report["seconds"]["total"]
-    rate = gb / total if total else 0.0
-    peak = max(r["peak_rss_bytes"] for r in report["per_rank"]) / 2**20
-    peak_device = max(r.get("peak_device_bytes", 0) for r in report["per_rank"]) / 2**20
-    on_device = f" peak_device={peak_device:.0f} MiB" if peak_device else ""
+    read = report["storage_bytes_read"]
+    peak = max(r["peak_rss_bytes"] for r in report["per_rank"])
+    peak_device = max(r.get("peak_device_bytes", 0) for r in report["per_rank"])
+    on_device = f" peak_device={size(peak_device)}" if peak_device else ""
     pp = f" pp={report['pp']}" if report.get("pp", 1) > 1 else ""
     mtp = report.get("mtp") or {}   # sources' report_extra: the MTP layers (mtp.report_fields)
     draft = f" mtp={mtp['mode']}(layers {','.join(map(str, mtp['layers']))})" if mtp.get("stage") is not None else ""
     return (f"distload: {'OK' if report['ok'] else 'NOT OK'} {report['family']} "
             f"world={report['world_size']} tp={report['tp']}{pp} ep={report['ep']} readers={len(report['readers'])} "
-            f"params={report['params']}{draft} checkpoint={gb:.3f} GB read={report['storage_bytes_read'] / 1e9:.3f} GB "
-            f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB{on_device}; {report['verdict']}")
+            f"param_shards={report['params']} (over {report['world_size']} ranks){draft} "
+            f"checkpoint={size(report['checkpoint_bytes'])} read={size(read)} "
+            f"in {total:.2f}s ({rate(report['checkpoint_bytes'], total)}) peak_rss={size(peak)}{on_device}; "
+            f"{report['verdict']}")
+
+
+def saved_line(report: dict, serves: str | None = None) -> str:
+    """Where a --save-sharded load put its files, what reloads them, and (--for) what serves them."""
+    out = report["saved_to"]
+    return (f"distload: saved {report['world_size']} rank files and manifest.json to {out} (reload: distload load "
+            f"{out})" + (f"; {serves}" if serves else ""))

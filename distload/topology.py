@@ -223,6 +223,7 @@ def from_environment(options: LoadOptions | None = None) -> Topology:
 
     options = options if options is not None else LoadOptions()
     env = os.environ
+    check_launched(options, env)
     rank = int(env.get("RANK", "0"))
     world = int(env.get("WORLD_SIZE", "1"))
     local_rank = int(env.get("LOCAL_RANK", str(rank)))
@@ -236,6 +237,19 @@ def from_environment(options: LoadOptions | None = None) -> Topology:
         backend = "nccl" if device.startswith("cuda") else "gloo"
     return Topology(rank=rank, local_rank=local_rank, node=node, layout=layout_for(world, local_world, options),
                     device=device, backend=backend, timeout_s=options.timeout_s)
+
+
+def check_launched(options: LoadOptions, env) -> None:
+    """A job of several ranks started as one plain process (no torchrun environment, no process group) is refused
+    with the command that starts it."""
+    import torch.distributed as dist
+
+    needed = (options.tp or 1) * options.pp
+    if needed > 1 and "WORLD_SIZE" not in env and not (dist.is_available() and dist.is_initialized()):
+        flags = f"--tp {options.tp}" + (f" --pp {options.pp}" if options.pp > 1 else "")
+        raise DistloadError(f"{flags} needs {needed} ranks, and this is one process that torchrun did not start "
+                            f"(WORLD_SIZE is unset): start the job with torchrun --nproc-per-node {needed} -m "
+                            f"distload load ... (your own script: torchrun --nproc-per-node {needed} script.py)")
 
 
 def init_process_group(topo: Topology) -> bool:

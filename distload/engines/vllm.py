@@ -23,10 +23,10 @@ from vllm.distributed import parallel_state
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from ..errors import DistloadError
-from ..options import LoadOptions, declared
+from ..errors import DistloadError, OptionError
+from ..options import LoadOptions, as_config_keys, declared
 from ..serving.names import NamingProfile, profile_for
-from .contract import destinations, fill_from_checkpoint
+from .contract import destinations, fill_from_checkpoint, say_failures_last, surfaced
 
 LOAD_FORMAT = "distload"
 # model_loader_extra_config keys: the LoadOptions declared settable by an engine (vLLM's groups give the rest).
@@ -34,8 +34,10 @@ OPTIONS = tuple(f.name for f in declared(engine=True))
 
 
 def register() -> None:
-    """The vllm.general_plugins entry point: make load_format="distload" known to this process."""
+    """The vllm.general_plugins entry point: make load_format="distload" known to this process (and, in the
+    instance's top process, print the workers' distload errors last as it exits: contract.say_failures_last)."""
     register_model_loader(LOAD_FORMAT)(DistloadModelLoader)
+    say_failures_last()
 
 
 def vllm_profile() -> NamingProfile:
@@ -48,17 +50,18 @@ class DistloadModelLoader(BaseModelLoader):
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
-        extra = dict(load_config.model_loader_extra_config or {})
-        unknown = sorted(set(extra) - set(OPTIONS))
-        if unknown:
-            raise DistloadError(f"model_loader_extra_config {unknown}: not distload options a vLLM instance "
-                                f"sets; choose from {', '.join(OPTIONS)}")
-        self.options = LoadOptions.from_kwargs(progress=False, **extra)
+        with surfaced(worker_rank()):
+            self.options = options_of(dict(load_config.model_loader_extra_config or {}))
 
     def download_model(self, model_config: ModelConfig) -> None:
-        checkpoint_dir(model_config)
+        with surfaced(worker_rank()):
+            checkpoint_dir(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        with surfaced(worker_rank()):
+            self.fill(model, model_config)
+
+    def fill(self, model: nn.Module, model_config: ModelConfig) -> None:
         profile = vllm_profile()  # an unknown vLLM is refused before anything is planned or read
         options = self.options
         hf_config = model_config.hf_config
@@ -68,6 +71,24 @@ class DistloadModelLoader(BaseModelLoader):
         fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), options, "vllm")
         for alias, target in copies:
             alias.copy_(into[target])
+
+
+def options_of(extra: dict) -> LoadOptions:
+    """The load's options from model_loader_extra_config, a bad key or value refused in the key as written.
+    Progress: log lines from rank 0 (vLLM's workers write to no terminal)."""
+    unknown = sorted(set(extra) - set(OPTIONS))
+    if unknown:
+        raise OptionError(f"model_loader_extra_config {', '.join(map(repr, unknown))}: not distload options a vLLM "
+                          f"instance sets; choose from {', '.join(OPTIONS)}")
+    try:
+        return LoadOptions.from_kwargs(progress="log", **extra)
+    except OptionError as exc:
+        raise OptionError(f"model_loader_extra_config {as_config_keys(str(exc))}") from None
+
+
+def worker_rank() -> int:
+    """This worker's rank in its instance (0 before vLLM's groups exist)."""
+    return parallel_state.get_world_group().rank if parallel_state.model_parallel_is_initialized() else 0
 
 
 def checkpoint_dir(model_config: ModelConfig) -> Path:

