@@ -110,9 +110,11 @@ def attention_shards(hf: dict[str, torch.Tensor], config: dict, a: str, r: int, 
     d = config.get("head_dim") or config["hidden_size"] // n_heads
     out: dict[str, torch.Tensor] = {}
     q_norm, k_norm = hf.get(a + "self_attn.q_norm.weight"), hf.get(a + "self_attn.k_norm.weight")
-    if q_norm is not None and tuple(q_norm.shape) == (d,):  # Qwen3, Gemma3: one [head_dim] norm for all heads
+    if q_norm is not None and q_norm.dim() == 1:
+        # Qwen3, Gemma3: one [head_dim] norm for all heads; OLMo2 / OLMoE [heads * d] over the whole projection,
+        # which vLLM keeps whole on every rank (it gathers q and k before the norm)
         out[a + "self_attn.q_norm.weight"], out[a + "self_attn.k_norm.weight"] = q_norm, k_norm
-    elif q_norm is not None:  # OLMo2 [heads * d], Cohere [heads, d]: each rank its heads, like q and k
+    elif q_norm is not None:  # Cohere [heads, d]: each rank its heads, like q and k
         per_head = k_norm.shape[0] // n_kv
         out[a + "self_attn.q_norm.weight"] = rows(q_norm, r, p)
         out[a + "self_attn.k_norm.weight"] = kv_rows(k_norm, r, p, n_kv, per_head)
