@@ -40,7 +40,7 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 export PYTHONSAFEPATH=1  # kernels/ would hide transformers' `kernels` (scripts/test.sh)
 echo "vllm stage: venv ready in $((SECONDS - start)) s ($venv)"
-"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py "$@"
+"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py tests/jobs/test_vllm_oracle.py "$@"
 rc=$?
 echo "vllm stage: $((SECONDS - start)) s in all, pytest exit $rc"
 exit $rc

@@ -215,4 +215,6 @@ def dense_mlp(params: dict, prefix: str, x: torch.Tensor, group=None, family: Fa
         h = act(gate) * up
     else:
         h = act(h)
+    if family.mlp_whole:   # every rank computes the whole MLP: nothing to reduce
+        return F.linear(h, params[w_out + ".weight"].to(h.dtype), params[w_out + ".bias"].to(h.dtype) if biased else None)
     return row_parallel(h, params[w_out + ".weight"], params[w_out + ".bias"] if biased else None, group)

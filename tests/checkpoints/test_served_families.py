@@ -47,3 +47,29 @@ def test_each_rank_holds_what_vllm_lays_out(checkpoints, family, tp, ep):
         for name, t in want.items():
             assert (got[name].shape, got[name].dtype) == (t.shape, t.dtype), f"rank {rank} {name}"
             assert torch.equal(got[name], t), f"rank {rank} {name} differs from vLLM's layout"
+
+
+@pytest.mark.parametrize("family,old,new,param", [
+    ("llama4", 'permute = "rotary_halves"\n', "", "model.layers.0.self_attn.qkv_proj.weight"),
+    ("bloom", 'query_key_value.weight"]\nstyle = "qkv_packed"', 'query_key_value.weight"]\nstyle = "qkv"',
+     "transformer.h.0.self_attention.query_key_value.weight"),
+])
+def test_a_wrong_head_rule_plans_with_the_right_shapes_and_differs_naming_the_param(checkpoints, tmp_path, family,
+                                                                                    old, new, param):
+    """What only the values show (and `rules check` prints as the row order, and vLLM's comparison names)."""
+    from distload.rules import parse_rules, shipped_families
+    from distload.rules_check import explain
+
+    text = open(next(f.source for f in shipped_families() if f.name == family)).read()
+    assert old in text
+    (tmp_path / "wrong.toml").write_text(text.replace(old, new, 1))
+    wrong, right = parse_rules(tmp_path / "wrong.toml"), rules_for(dict(discover(checkpoints[family]).config))
+    index = discover(checkpoints[family])
+    entries, config = dict(index.tensors), dict(index.config)
+    shown = [explain(rules, entries, config, tp=2).text for rules in (wrong, right)]
+    assert all(text.splitlines()[-1].startswith("OK") for text in shown)
+    assert shown[0] != shown[1]   # the row order (or the permutation line) differs on screen
+    plan = build_plan(entries, config, wrong, Layout(world=2, tp=2))
+    values = checkpoint_tensors(checkpoints[family])
+    got, want = staged_shards(plan, 0, values), shards(values, config, 0, 2)
+    assert got[param].shape == want[param].shape and not torch.equal(got[param], want[param])

@@ -272,3 +272,26 @@ def test_rules_check_names_the_landing_steps(tmp_path):
     text = explain(rules, entries, {**LLAMA_CONFIG, "intermediate_size_mlp": INTER, "num_local_experts": 2,
                                     "intermediate_size": 16, "interleave_moe_layer_step": 2}, tp=2).text
     assert "inside each q / k head: stored rows 0, 2, 4, ..., then 1, 3, 5, ... (permute = rotary_halves" in text
+
+
+def test_a_per_layer_list_of_numbers_or_flags_selects_layers(tmp_path):
+    """Llama-4's no_rope_layers [1, 1, 1, 0, ...] (one entry per layer), as layer_types' strings do."""
+    rules = family(tmp_path, """\
+        [dims]
+        layers = "num_hidden_layers"
+        [loops]
+        layer = "layers"
+        [sets.nope]
+        loop = "layer"
+        list = "no_rope_layers"
+        equals = 0
+        [sets.sliding]
+        loop = "layer"
+        list = "sliding"
+        equals = true
+        """)
+    config = {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0], "sliding": [True, False, True, False]}
+    assert rules.members(config, "nope", range(4)) == {3}
+    assert rules.members(config, "sliding", range(4)) == {0, 2}
+    with pytest.raises(RuleError, match="no_rope_layers should be a list with one entry per layer"):
+        rules.members({**config, "no_rope_layers": [1, 0]}, "nope", range(4))
