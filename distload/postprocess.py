@@ -8,6 +8,8 @@ distload.kernels (Triton on CUDA, the torch references on CPU):
     quantize          --quantize fp8: high-precision weight -> fp8 + one fp32 scale (per expert for experts)
     quantize_block    --quantize fp8-block: -> fp8 + weight_scale_inv per [128, 128] block of the local shard
     dequantize(_block)  --dequantize: fp8 weight and its scales -> BF16 weight
+    transpose         a param stored transposed (plan/transpose.py)
+    rotary_halves     rows inside each head from rotary pairs to halves; neg_exp: -exp(x) (plan/landing.py)
 
 Why steps run *during* the transfer: a step runs as soon as every one of its inputs has fully arrived
 (the transfer calls `on_bucket_done` after each bucket), and its inputs are allocated on their first
@@ -114,6 +116,16 @@ def _dequantize_block(step, finals, weight, scale_inv, *input_scales):
     return (out,)
 
 
+def _rotary_halves(step, finals, weight):
+    """Rows (0, 1), (2, 3), ... of each head of the first `rows` rows -> rows 0, 2, 4, ..., then 1, 3, 5, ..."""
+    (rows, head_dim), = step.runs
+    m = weight.view(view2d(tuple(weight.shape)))
+    rows = rows or m.shape[0]
+    heads = m[:rows].reshape(rows // head_dim, head_dim // 2, 2, m.shape[1])
+    m[:rows] = heads.transpose(1, 2).reshape(rows, m.shape[1])   # the reshape copies: no overlap
+    return (weight,)
+
+
 OPS = {
     "requantize": _requantize,
     "max": lambda step, finals, scales: (_max(step, finals, scales),),
@@ -123,6 +135,8 @@ OPS = {
     "dequantize_block": _dequantize_block,
     **postprocess_4bit.OPS,
     "transpose": lambda step, finals, staged: (staged.transpose(-2, -1).contiguous(),),  # plan/transpose.py
+    "rotary_halves": _rotary_halves,
+    "neg_exp": lambda step, finals, x: (torch.exp(x).neg_(),),
 }
 
 

@@ -18,6 +18,7 @@ from .checkpoint import discover
 from .errors import DistloadError
 from .plan import build_plan
 from .rules import FamilyRules, parse_rules
+from .rules.landing import TRANSFORMS
 from .topology import Layout
 
 
@@ -46,13 +47,68 @@ def _rule_of(rules: FamilyRules, param: str):
     return next((r for r in rules.params if names.match(r.target, param) is not None), None)
 
 
+# What each head style assumes of its source's rows (README, "The fused-qkv styles"), for one line of the check.
+ASSUMES = {"qkv": "[q heads; k heads; v heads] (or q, k, v apart)",
+           "qkv_packed": "packed per kv head: [its q heads, k, v] for kv head 0, then 1, ...",
+           "qkv_grouped": "packed per kv head: [its q heads, k, v] for kv head 0, then 1, ...",
+           "kv": "[kv head 0; kv head 1; ...]"}
+
+
+def _local_heads(style: str, spec, heads: int, kv_heads: int, tp: int) -> tuple[int, list[tuple[str, int]]]:
+    """(head_dim, [(part, first local row of its first head)]) of rank 0's shard of a head-style param."""
+    per_group = heads // kv_heads
+    rows = spec.global_shape[0] // (kv_heads if style == "kv" else heads + 2 * kv_heads)
+    if style == "kv":
+        return rows, [("kv", 0)]
+    if style == "qkv_grouped":
+        q_local = per_group if tp <= kv_heads else heads // tp
+    else:
+        q_local = heads // tp
+    kv_local = 1 if style == "qkv_grouped" else max(1, kv_heads // tp)
+    return rows, [("q", 0), ("k", q_local * rows), ("v", (q_local + kv_local) * rows)]
+
+
+def _head_order(pieces: list, spec, rule, rules: FamilyRules, config: dict, tp: int) -> list[str]:
+    """The source rows of the first head of each part on rank 0, and the rule's intra-head order: a wrong head
+    style (qkv for a packed source) plans with the right shapes, and shows here."""
+    style = rule.style
+    head_dim, firsts = _local_heads(style, spec, rules.dim(config, "heads"), rules.dim(config, "kv_heads"), tp)
+    shown = []
+    for part, row in firsts:
+        pc = next((pc for pc in pieces if pc.dst_row <= row < pc.dst_row + pc.rows[1] - pc.rows[0]), None)
+        if pc is not None:
+            first = pc.rows[0] + row - pc.dst_row
+            shown.append(f"{part} <- {pc.source} rows [{first}, {first + head_dim})")
+    out = [f"    {style} assumes the source rows are {ASSUMES[style]}",
+           f"    rank 0's first head of each part ({head_dim} rows): " + "; ".join(shown)]
+    if rule.permute == "rotary_halves":
+        out.append("    inside each q / k head: stored rows 0, 2, 4, ..., then 1, 3, 5, ... (permute = rotary_halves, "
+                   "after landing)")
+    return out
+
+
+def _landing_lines(rule, spec) -> list[str]:
+    out = []
+    if rule.stored_shape:
+        out.append(f"    stored as [{', '.join(rule.stored_shape)}], served as {list(spec.global_shape)} (stored_shape)")
+    if rule.permute is not None and rule.style not in ASSUMES:
+        out.append(f"    inside each head of head_dim rows: stored rows 0, 2, 4, ..., then 1, 3, 5, ... "
+                   f"(permute = {rule.permute}, after landing)")
+    if rule.transform is not None:
+        out.append(f"    served as {TRANSFORMS[rule.transform]} of the stored x (transform = {rule.transform}, "
+                   f"after landing)")
+    return out
+
+
 def _param_lines(plan, rules: FamilyRules, config: dict) -> list[str]:
     first_row: dict[str, dict] = {}   # param -> {source: its first destination row on rank 0}: parts in order
+    pieces: dict[str, list] = {}      # param -> rank 0's pieces
     for src in plan.sources.values():
         for d in src.deliveries:
             if d.rank == 0:
                 rows = first_row.setdefault(d.param, {})
                 rows[src.name] = min(rows.get(src.name, d.piece.dst_row), d.piece.dst_row)
+                pieces.setdefault(d.param, []).append(d.piece)
     takes = {param: [plan.sources[s] for s in sorted(rows, key=rows.get)] for param, rows in first_row.items()}
     by_rule: dict[str, list[str]] = {}
     for param in plan.specs[0]:
@@ -75,6 +131,10 @@ def _param_lines(plan, rules: FamilyRules, config: dict) -> list[str]:
         out.append(f"    from {shown}{more}")
         if rule is not None and rule.transposed:
             out.append("    stored transposed (last two axes swapped): cut as stored, turned on landing")
+        if rule is not None and rule.style in ASSUMES and not rule.transposed:
+            out += _head_order(pieces.get(example, []), spec, rule, rules, config, plan.layout.tp)
+        if rule is not None:
+            out += _landing_lines(rule, spec)
         if rule is not None:
             logical = expected_shapes.logical_shape(rule, example, rules, config)
             if logical is None:

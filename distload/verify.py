@@ -25,7 +25,9 @@ from . import topology
 from .models.divergence import first_divergence
 from .errors import DistloadError
 from .loader import run_load
-from .models import forward_for
+from .checkpoint.discover import read_config
+from .models import check_reference, forward_for
+from .rules import rules_for
 from .models.pipeline import forward_over_stages
 from .options import LoadOptions
 from .transfer import broadcast_object
@@ -199,6 +201,7 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
         raise DistloadError(f"verify --tp {layout.tp}{stages} on {layout.world} ranks: verify runs one "
                             f"replica (world = tp x pp); launch {layout.tp * layout.pp} ranks (torchrun "
                             f"--nproc-per-node {layout.tp * layout.pp}) or pass --tp {layout.world // layout.pp}")
+    refuse_without_reference(path, options)
     result = run_load(path, options)
     layout, rank, config = result.plan.layout, result.rank, result.config
 
@@ -232,6 +235,15 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
 
     verdict = broadcast_object(run_phase("compare", judge), src=0)
     return Verification(verdict=verdict, logits=logits, tp=layout.tp, ep=layout.ep)
+
+
+def refuse_without_reference(path: str, options: LoadOptions) -> None:
+    """A family the reference forward does not know is refused before any load (a local config.json: read here;
+    elsewhere the load discovers it and forward_for refuses after it)."""
+    root = options.hf_config or path
+    if os.path.isdir(root):
+        config = read_config(root)
+        check_reference(config, rules_for(config, options.config).name if config else "?")
 
 
 def stage_by_stage(run, params: dict, config: dict, ids: torch.Tensor, rank: int, layout, experts: dict):

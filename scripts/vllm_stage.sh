@@ -53,7 +53,7 @@ if ! here; then
 fi
 export PYTHONSAFEPATH=1  # kernels/ would hide transformers' `kernels` (scripts/test.sh)
 echo "vllm stage: venv ready in $((SECONDS - start)) s ($venv)"
-"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py "$@"
+"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py tests/jobs/test_vllm_oracle.py "$@"
 rc=$?
 echo "vllm stage: $((SECONDS - start)) s in all, pytest exit $rc"
 exit $rc

@@ -130,6 +130,8 @@ def fill_from_checkpoint(path: str, into: dict[str, torch.Tensor], shape: dict, 
         if options.pp > 1:  # an engine keeps some params of the other stages unfilled (vLLM: embedding, norm, head)
             elsewhere = {n for r in range(shape["world"]) for n in plan.specs[r]} - set(plan.specs[rank])
             into = {n: t for n, t in into.items() if n not in elsewhere}
+        # A tied param the engine holds once (vLLM's Gemma 2, Cohere: no lm_head) is its target's tensor.
+        into = {**{n: into[s.alias_of] for n, s in plan.specs[rank].items() if s.alias_of in into}, **into}
         check_destinations(into, plan.specs[rank], plan.family, options.config, engine)
         result = run_load(path, options, into=into)
     return result.report

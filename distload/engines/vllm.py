@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import vllm
 from torch import nn
 from vllm.config import ModelConfig, get_current_vllm_config
@@ -23,6 +24,7 @@ from vllm.distributed import parallel_state
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from ..checkpoint import discover
 from ..errors import DistloadError, OptionError
 from ..options import LoadOptions, as_config_keys, declared
 from ..serving.names import NamingProfile, profile_for
@@ -67,6 +69,7 @@ class DistloadModelLoader(BaseModelLoader):
         hf_config = model_config.hf_config
         if profile.is_draft(getattr(hf_config, "architectures", None)):   # the MTP layers as speculative draft
             profile, options = profile.as_draft(hf_config.num_hidden_layers), options.replace(mtp="only")
+        head_bias_as_vllm_makes_it(model, checkpoint_dir(model_config))
         into, copies = destinations(model, profile)
         fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), options, "vllm")
         for alias, target in copies:
@@ -89,6 +92,16 @@ def options_of(extra: dict) -> LoadOptions:
 def worker_rank() -> int:
     """This worker's rank in its instance (0 before vLLM's groups exist)."""
     return parallel_state.get_world_group().rank if parallel_state.model_parallel_is_initialized() else 0
+
+
+def head_bias_as_vllm_makes_it(model: nn.Module, path: Path) -> None:
+    """vLLM's Transformers backend makes lm_head.bias only when its own loader meets the tensor (transformers/
+    causal.py): make it here too when the checkpoint has one (Phi-2), so that the plan and the model agree."""
+    head = getattr(model, "lm_head", None)
+    if getattr(head, "bias", True) is None and hasattr(head, "_register_bias") and \
+            "lm_head.bias" in discover(str(path)).tensors:
+        with torch.device(head.weight.device):
+            head._register_bias()
 
 
 def checkpoint_dir(model_config: ModelConfig) -> Path:

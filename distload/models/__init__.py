@@ -7,6 +7,7 @@ only when asked for; every forward takes the arguments of `forward.forward`.
 
 import importlib
 
+from distload.errors import DistloadError
 from distload.models.forward import FAMILIES, Family, family_of, forward
 
 # model_type -> "module:function" under distload.models, for forwards other than forward.forward.
@@ -28,4 +29,17 @@ def forward_for(config: dict):
     return getattr(importlib.import_module(f"distload.models.{module}"), name)
 
 
-__all__ = ["FAMILIES", "FORWARDS", "Family", "family_of", "forward", "forward_for"]
+def check_reference(config: dict, family: str) -> None:
+    """DistloadError, before any load, when no reference forward knows this config.json (`family`: its rules)."""
+    if config.get("model_type") in FORWARDS:
+        return
+    try:
+        family_of(config)
+    except DistloadError:
+        known = ", ".join(sorted(set(FAMILIES) | set(FORWARDS)))
+        raise DistloadError(f"verify: family {family} (model_type {config.get('model_type')!r}) has no reference "
+                            f"forward (it knows {known}); compare the load with vLLM's own loader instead: python -m "
+                            f"distload rules check auto CKPT --tp 2 --against vllm (where vLLM is installed)") from None
+
+
+__all__ = ["FAMILIES", "FORWARDS", "Family", "check_reference", "family_of", "forward", "forward_for"]

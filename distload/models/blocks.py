@@ -124,6 +124,23 @@ def projection_rms(x: torch.Tensor, weight: torch.Tensor, eps: float, width: int
     return (weight.float() * x32).to(x.dtype)
 
 
+def rank_projection_norms(params: dict, config: dict, family: Family, tp_rank: int, tp_size: int) -> dict:
+    """params with OLMo 2's whole q/k norms (served whole, as vLLM keeps them: it gathers q and k before the norm)
+    cut to this rank's heads: the forward normalises its own heads against the squares summed over the group."""
+    if family.qk_norm_over != "projection" or tp_size == 1:
+        return params
+    n_q, n_kv_local, d = local_heads(config, tp_size)
+    n_kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    first_kv = tp_rank * n_kv_local if tp_size <= n_kv else tp_rank // (tp_size // n_kv)
+    out = dict(params)
+    for name, t in params.items():
+        if name.endswith("self_attn.q_norm.weight") and t.numel() == n_q * d * tp_size:
+            out[name] = t[tp_rank * n_q * d:(tp_rank + 1) * n_q * d]
+        elif name.endswith("self_attn.k_norm.weight") and t.numel() == n_kv * d:
+            out[name] = t[first_kv * d:(first_kv + n_kv_local) * d]
+    return out
+
+
 def _qk_norms(params: dict, prefix: str, q: torch.Tensor, k: torch.Tensor, config: dict, family: Family,
               tp_size: int, group) -> tuple[torch.Tensor, torch.Tensor]:
     """q `[T, n_q, d]`, k `[T, n_kv, d]` after the family's q/k norm (per head, or over the projection)."""
@@ -198,4 +215,6 @@ def dense_mlp(params: dict, prefix: str, x: torch.Tensor, group=None, family: Fa
         h = act(gate) * up
     else:
         h = act(h)
+    if family.mlp_whole:   # every rank computes the whole MLP: nothing to reduce
+        return F.linear(h, params[w_out + ".weight"].to(h.dtype), params[w_out + ".bias"].to(h.dtype) if biased else None)
     return row_parallel(h, params[w_out + ".weight"], params[w_out + ".bias"] if biased else None, group)

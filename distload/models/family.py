@@ -40,6 +40,10 @@ class Names:
 GPT_NAMES = Names(embed="transformer.wte.weight", positions="transformer.wpe.weight", final_norm="transformer.ln_f",
                   layer="transformer.h.{}.", attn="attn.", qkv="c_attn", o="c_proj", mlp_in="c_fc", mlp_out="c_proj",
                   pre_attn_norm="ln_1", pre_mlp_norm="ln_2")
+# GPTBigCode as vLLM 0.32's Transformers backend names it (configs/gpt_bigcode.toml): `transformer.` as `model.`.
+BIGCODE_NAMES = Names(embed="model.wte.weight", positions="model.wpe.weight", final_norm="model.ln_f",
+                      layer="model.h.{}.", attn="attn.", qkv="c_attn", o="c_proj", mlp_in="c_fc", mlp_out="c_proj",
+                      pre_attn_norm="ln_1", pre_mlp_norm="ln_2")
 SANDWICH_NAMES = Names(post_attn_norm="post_attention_layernorm", pre_mlp_norm="pre_feedforward_layernorm",
                        post_mlp_norm="post_feedforward_layernorm")
 INTERNLM2_NAMES = Names(embed="model.tok_embeddings.weight", lm_head="output.weight", attn="attention.", qkv="wqkv",
@@ -63,6 +67,7 @@ class Family:
     qkv_bias: Flag = False
     o_bias: Flag = False                     # row-parallel biases are whole on every rank, added once
     mlp_bias: Flag = False
+    mlp_whole: bool = False                  # the MLP whole on every rank, not split (GPTBigCode in vLLM 0.32)
     qk_norm: Flag = False                    # a norm over q and k before RoPE ...
     qk_norm_over: str = "head"               # ... each head ("head") or the whole projection (OLMo2)
     parallel_block: bool = False             # Cohere: x + attn(norm(x)) + mlp(norm(x))
@@ -97,7 +102,7 @@ FAMILIES: dict[str, Family] = {
                         norm_topk=("norm_topk_prob", False), shared_expert=True),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, moe_prefix="mlp.", norm_topk=("norm_topk_prob", False)),
     "gpt2": Family("GPT2LMHeadModel", **_GPT),
-    "gpt_bigcode": Family("GPTBigCodeForCausalLM", **_GPT, multi_query=True),
+    "gpt_bigcode": Family("GPTBigCodeForCausalLM", **{**_GPT, "names": BIGCODE_NAMES}, multi_query=True, mlp_whole=True),
     "starcoder2": Family("Starcoder2ForCausalLM", names=Names(mlp_in="c_fc", mlp_out="c_proj"), norm="layer",
                          eps_key="norm_epsilon", gated_mlp=False, qkv_bias=("use_bias", True),
                          o_bias=("use_bias", True), mlp_bias=("use_bias", True)),

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from distload.errors import DistloadError
-from distload.models.blocks import (attention, causal_mask, dense_mlp, embed, local_heads, norm, rms_norm,
-                                    sliding_window)
+from distload.models.blocks import (attention, causal_mask, dense_mlp, embed, local_heads, norm, rank_projection_norms,
+                                    rms_norm, sliding_window)
 from distload.models.family import FAMILIES, Family, family_of, flag, standard_config
 from distload.models.moe import counted_experts, default_expert_ids, sparse_moe
 from distload.models.rope import apply_rope, rope_cos_sin
@@ -141,6 +141,7 @@ def forward(params: dict[str, torch.Tensor], config: dict, input_ids: torch.Tens
     family = family_of(config)
     config = standard_config(config, family)
     _check_supported(config)
+    params = rank_projection_norms(params, config, family, tp_rank, tp_size)
     n_layers = config["num_hidden_layers"]
     layers = range(n_layers) if layers is None else layers
     device = next(iter(params.values())).device

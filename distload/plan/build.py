@@ -15,7 +15,7 @@ import itertools
 from ..rules import names
 from ..rules import FamilyRules
 from ..topology import Layout
-from . import expected_shapes, pipeline, transpose
+from . import expected_shapes, landing, pipeline, transpose
 from ..quant import (fp8 as quant, packed4 as quant4, packed4_formats as quant4_formats,
                      packed4_layouts as quant4_layouts, packed4_steps as quant4_steps, fp8_layouts as quant_layouts,
                      fp8_steps as quant_steps)
@@ -56,7 +56,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     # A packed 4-bit checkpoint is planned on its logical weights; the packed tensors follow them (quant4*.py).
     packed4 = quant4_formats.checkpoint_scheme(config)
     logical = quant4.logical_index(targets, tensors, packed4, rules, config)
-    targets, index = logical.targets, logical.index
+    targets, index = logical.targets, landing.served_index(logical.targets, logical.index, rules, config)  # reshapes
     match = match_checkpoint(targets, companions + list(logical.packed), tied, index, rules, config, strict)
     by_name = {t.name: t for t in match.targets}
     companions = [c for c in companions if c.weight in by_name]
@@ -85,6 +85,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
         final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
                                                          quantize=quantize, dequantize=dequantize)
     specs, post = transpose.stage(specs, post, by_name)   # params stored transposed land, then turn
+    post = landing.stage(post, by_name, rules, config, layout)   # rules' permute / transform after landing
     # Pipeline stages: a param's values only on its stages' ranks, so no rank reads or holds another stage's layers.
     stages = pipeline.stages_of(layout, match.targets, companions, logical.packed, tied)
     final, specs, post = (pipeline.masked_specs(final, stages), pipeline.masked_specs(specs, stages),

@@ -24,8 +24,8 @@ from .types import Share
 DEFAULT_SPLIT = "default"   # pp_layers_from of a partition nobody gave: vLLM's get_pp_indices split
 LAYER_LOOP = "layer"   # the rules files' loop variable of the decoder layers ({layer})
 # Non-layer params on the input side (token and position embeddings), held by the first stage; every other
-# non-layer param (final norm, head) is the last stage's.
-INPUT_SIDE = re.compile(r"(^|\.)(embed\w*|tok_embeddings|embedding|wte|wpe)\.")
+# non-layer param (final norm, head) is the last stage's. (BLOOM and Falcon: word_embeddings, BLOOM its LayerNorm.)
+INPUT_SIDE = re.compile(r"(^|\.)(embed\w*|word_embeddings\w*|tok_embeddings|embedding|wte|wpe)\.")
 
 
 def draft_stage(layout: Layout) -> int:

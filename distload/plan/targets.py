@@ -60,7 +60,7 @@ def expand_targets(rules: FamilyRules, config: dict, tensors) -> tuple[list[Targ
     what is really absent).
     """
     ranges = loop_ranges(rules, config)
-    tied = {t.target: t.to for t in rules.ties if config.get(t.when)}
+    tied = {t.target: t.to for t in rules.ties if flag_holds(t.when, config)}
     targets = []
     for rule in rules.params:
         if rule.when is not None and not flag_holds(rule.when, config):

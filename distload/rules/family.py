@@ -70,12 +70,13 @@ from ..errors import RuleError
 from .sets import LoopSet
 from .mtp import MtpRule, parse_mtp, with_mtp
 from .files import config_dir, merged_tables
+from .landing import KEYS as LANDING_KEYS, expressions, parse_landing
 
 STYLES = ("replicate", "column", "row", "vocab", "merged", "qkv", "kv", "qkv_grouped", "qkv_packed", "expert",
           "rank0")
 INNER_STYLES = ("column", "row", "merged", "replicate", "rank0")
 PARAM_KEYS = {"style", "parts", "split", "inner", "pad_to", "stacked", "alternative", "only", "unless", "shape",
-              "dtype", "when", "transposed", "groups"}
+              "dtype", "when", "transposed", "groups", *LANDING_KEYS}
 # float: the checkpoint's weight dtype; any-float: any float width; float32: any float width, delivered as F32
 DTYPE_POLICIES = ("float", "any-float", "float32")
 FORM_KEYS = {"parts", "split", "stacked", "transposed"}      # what an `alternative` checkpoint form may change
@@ -99,6 +100,9 @@ class ParamRule:
     when: str | None = None         # a config.json flag: the target exists only where it is true
     transposed: bool = False        # the sources store the param with its last two axes swapped (GPT-2 Conv1D)
     groups: str | None = None       # a dim: the cut keeps whole groups of that many (heads): tp must divide it
+    stored_shape: tuple[str, ...] = ()   # landing.py: the checkpoint's shape of the same elements, served as shape
+    permute: str | None = None      # landing.PERMUTES: rows reordered inside each head after landing
+    transform: str | None = None    # landing.TRANSFORMS: values rewritten after landing (Jamba's -exp)
 
     @property
     def forms(self) -> tuple["ParamRule", ...]:
@@ -155,7 +159,7 @@ def eval_dim(expr: str, config: dict, where: str) -> int:
     return dim_expr.evaluate(expr, dim_expr.config_lookup(config), where)[0]
 
 
-def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, dims: dict) -> dict:
+def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, dims: dict, inner=None) -> dict:
     """The checkpoint-form keys of a param table (parts, split, stacked), validated."""
     raw_parts, raw_split = table.get("parts", [target]), table.get("split", [])
     if not isinstance(raw_parts, list) or not raw_parts or not all(isinstance(p, str) for p in raw_parts):
@@ -178,6 +182,11 @@ def _parse_form(table: dict, target: str, style: str, where: str, loops: dict, d
     if stacked and (len(parts) != 1 or "expert" in names.variables(parts[0])):
         raise RuleError(f"{where}: params.{target!r}: a stacked form has one source without {{expert}} "
                         f"(dim 0 is the expert); use split for its logical parts")
+    if (inner or style) == "merged" and len(parts) == 1 and not split:
+        # Cut as one column, a fused [gate; up] would give rank 0 all gate rows and rank 1 all up rows.
+        raise RuleError(f"{where}: params.{target!r}: a merged param with one source ({parts[0]!r}) needs "
+                        f"split = [...], the rows of each fused part (e.g. [\"intermediate\", \"intermediate\"]); "
+                        f"a source that is one part is style column")
     transposed = table.get("transposed", False)
     if not isinstance(transposed, bool) or (transposed and style in ("vocab", "replicate")):
         raise RuleError(f"{where}: params.{target!r}: transposed = true takes a cut style (column, row, merged, qkv, "
@@ -194,21 +203,11 @@ def _parse_when(table: dict, target: str, where: str) -> str | None:
 
 
 def flag_holds(when: str, config: dict) -> bool:
-    """`when = "flag"`: config.json's flag is true (a non-zero size counts); `"!flag"`: it is false or absent."""
-    return not config.get(when[1:]) if when.startswith("!") else bool(config.get(when))
-
-
-def _parse_shape(table: dict, target: str, where: str, dims: dict) -> tuple[str, ...]:
-    """`shape = ["hidden", "heads * head_dim"]`: one expression of [dims] names per axis."""
-    shape = table.get("shape", [])
-    if not isinstance(shape, list) or not all(isinstance(d, str) for d in shape):
-        raise RuleError(f"{where}: params.{target!r}: shape must be a list of dim expressions, got {shape!r}")
-    for expr in shape:
-        unknown = dim_expr.names_in(expr) - set(dims)
-        if unknown:
-            raise RuleError(f"{where}: params.{target!r}: shape entry {expr!r} names {sorted(unknown)}, "
-                            f"not in [dims]; define them there (shapes use dim names, not config.json keys)")
-    return tuple(shape)
+    """`when = "flag"`: config.json's flag is true (a non-zero size counts); `"!flag"`: it is false or absent. A
+    flag may be a dotted path into a nested table (dims.config_value)."""
+    if when.startswith("!"):
+        return not dim_expr.config_value(config, when[1:])
+    return bool(dim_expr.config_value(config, when))
 
 
 def parse_rules(path) -> FamilyRules:
@@ -249,7 +248,8 @@ def parse_rules(path) -> FamilyRules:
             raise RuleError(f"{where}: params.{target!r}: groups names a [dims] entry (the heads a column, row or "
                             f"merged cut keeps whole), got {groups!r} on style {inner or style}")
         common = dict(target=target, style=style, inner=inner, pad_to=pad_to, groups=groups,
-                      shape=_parse_shape(table, target, where, dims), dtype=table.get("dtype", "float"))
+                      shape=expressions(table, "shape", target, where, dims), dtype=table.get("dtype", "float"),
+                      **parse_landing(table, target, inner or style, where, dims))
         if common["dtype"] not in DTYPE_POLICIES:
             raise RuleError(f"{where}: params.{target!r}: dtype {common['dtype']!r}; allowed: {', '.join(DTYPE_POLICIES)}")
         alternatives = table.get("alternative", [])
@@ -260,8 +260,8 @@ def parse_rules(path) -> FamilyRules:
             if not isinstance(alt, dict) or set(alt) - FORM_KEYS or "parts" not in alt:
                 raise RuleError(f"{where}: params.{target!r}: each alternative is a table with parts and optionally "
                                 f"split, stacked (the style is the param's); got {alt!r}")
-            forms.append(ParamRule(**common, **_parse_form(alt, target, style, where, loops, dims)))
-        params.append(ParamRule(**common, **_parse_form(table, target, style, where, loops, dims),
+            forms.append(ParamRule(**common, **_parse_form(alt, target, style, where, loops, dims, inner)))
+        params.append(ParamRule(**common, **_parse_form(table, target, style, where, loops, dims, inner),
                                 alternatives=tuple(forms), only=table.get("only"), unless=table.get("unless"),
                                 when=_parse_when(table, target, where)))
     for table_name in ("dims", "loops"):

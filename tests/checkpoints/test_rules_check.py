@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,3 +70,13 @@ def test_the_command_line_names_an_unknown_rules_file(llama, capsys):
     assert main(["rules", "check", "no_such_family", llama]) == 1
     err = capsys.readouterr().err
     assert "no_such_family: no such file, nor a shipped family" in err and "llama" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: the comparison would run")
+def test_against_vllm_without_vllm_says_where_to_run_it(llama, capsys):
+    from distload.cli import main
+
+    assert main(["rules", "check", "auto", llama, "--tp", "2", "--against", "vllm"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1].startswith("OK")   # the explanation still comes first
+    assert "rules check --against vllm: vLLM is not importable in this interpreter" in captured.err

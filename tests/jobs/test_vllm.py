@@ -60,10 +60,10 @@ def run_vllm(ckpt: Path, load_format: str, tmp: Path, ep: bool = False, tokens: 
     extra = {"report": str(report)} if load_format == "distload" else {}
     cmd = [sys.executable, str(SERVE), str(ckpt), load_format, str(out), "--extra", json.dumps(extra)]
     cmd += ["--ep"] * ep + ["--tokens"] * tokens + ["--pp", str(pp)] + ["--mtp"] * mtp
-    # PYTHONPATH: vllm_serve.py imports vllm_probe beside it, and PYTHONSAFEPATH (the stage's) keeps a script's own
-    # folder off sys.path
-    proc = subprocess.run(cmd, env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(HERE)}, cwd=HERE,
-                          capture_output=True, text=True, timeout=900)
+    # PYTHONSAFEPATH (scripts/vllm_stage.sh) keeps the script's folder off sys.path: vllm_serve imports vllm_probe.
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(cmd, env={**os.environ, **VLLM_ENV, "PYTHONPATH": path}, cwd=HERE, capture_output=True,
+                          text=True, timeout=900)
     if proc.returncode != 0:
         raise AssertionError(f"vLLM ({load_format}) exited {proc.returncode}:\n{proc.stderr[-6000:]}")
     result = json.loads(out.read_text())

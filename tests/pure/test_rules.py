@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -222,15 +224,20 @@ def test_pad_to_must_be_positive(tmp_path):
     ("a/b/c", {"a": 64, "b": 4, "c": 2}, 8),
     ("missing|8", {}, 8),
     ("a / 2 | 7", {"a": 10}, 5),
-    ("flag|3", {"flag": True}, 3),          # a bool is not a size
-    ("x|4", {"x": 2.5}, 4),                  # nor a float
+    ("flag|3", {}, 3),                       # absent: the next alternative
+    ("n.kv|3", {"n": {"kv": 2}}, 2),         # a nested key (MPT's attn_config.kv_n_heads)
+    ("n.kv|3", {"n": None}, 3),
+    ("f ? a : 1", {"f": True, "a": 5}, 5),   # a choice by a flag, the other branch never evaluated
+    ("f ? missing : 1", {"f": False}, 1),
+    ("f ? a : g ? 2 : 3", {"a": 5}, 3),      # absent flags are false; right to left
+    ("(f ? 2 : 3) * a", {"f": 1, "a": 5}, 10),
 ])
 def test_eval_dim(expr, config, expected):
     assert eval_dim(expr, config, "where") == expected
 
 
 def test_eval_dim_division_must_be_whole():
-    with pytest.raises(RuleError, match=r"'hidden_size/num_attention_heads' = 64/3 is not a whole number"):
+    with pytest.raises(RuleError, match=r"'head_dim\|hidden_size/num_attention_heads': 64/3 is not a whole number"):
         eval_dim("head_dim|hidden_size/num_attention_heads", {"hidden_size": 64, "num_attention_heads": 3}, "w")
 
 
@@ -239,9 +246,23 @@ def test_eval_dim_division_by_zero():
         eval_dim("a/b", {"a": 4, "b": 0}, "w")
 
 
-def test_eval_dim_none_present_names_the_expression():
-    with pytest.raises(RuleError, match=r"toy \[dims\] head_dim: config.json has none of 'head_dim\|hidden_size/x'"):
+def test_eval_dim_none_present_names_the_expression_and_the_absent_keys():
+    with pytest.raises(RuleError, match=r"toy \[dims\] head_dim: 'head_dim\|hidden_size/x': config.json has no "
+                                        r"head_dim / x \(one per alternative\)"):
         eval_dim("head_dim|hidden_size/x", {"hidden_size": 4}, "toy [dims] head_dim")
+
+
+@pytest.mark.parametrize("expr,config,needle", [
+    ("flag|3", {"flag": True}, "flag is true, a flag, not a size; choose a size by it with `flag ? a : b`"),
+    ("x|4", {"x": 2.5}, "x = 2.5 is not an integer"),
+    ("a/b|7", {"a": 5, "b": 2}, "'a/b|7': 5/2 is not a whole number"),
+    ("a/b|7", {"a": 5, "b": 0}, "'a/b|7': 5/0 is not a whole number"),
+    ("f ? 1 : 2", {"f": "yes"}, "f = 'yes' is not a flag"),
+    ("f ? 1 2", {"f": True}, "needs its ':'"),
+])
+def test_a_dim_expression_error_never_falls_back_to_the_next_alternative(expr, config, needle):
+    with pytest.raises(RuleError, match=re.escape(needle)):
+        eval_dim(expr, config, "w")
 
 
 def test_dim_undefined_in_rules(tmp_path):
@@ -270,7 +291,7 @@ def test_rules_for_tries_each_listed_architecture():
     assert rules_for({"architectures": ["SomethingElse", "Qwen3ForCausalLM"]}).name == "qwen3"
 
 
-@pytest.mark.parametrize("config", [{"architectures": ["GPTNeoXForCausalLM"]}, {}])
+@pytest.mark.parametrize("config", [{"architectures": ["RwkvForCausalLM"]}, {}])
 def test_rules_for_unknown_architecture_lists_known(config):
     with pytest.raises(RuleError, match="no shipped rules file lists it") as exc:
         rules_for(config)

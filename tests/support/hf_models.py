@@ -64,6 +64,38 @@ LAYOUT_FAMILIES: dict[str, dict] = {
     "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                     layer_types=["sliding_attention", "full_attention"], sliding_window=8),
 }
+# The families of issue 38, in vLLM 0.32's layout (native model or its Transformers backend; served_layouts.py is
+# their oracle). Falcon in its three attention layouts; Ernie with a dense layer after its MoE layers (the upper
+# bound of its MoE layer range); Jamba with attention on odd layers and experts on even ones.
+_FALCON = dict(model_type="falcon", parallel_attn=True, bias=False)
+SERVED_FAMILIES: dict[str, dict] = {
+    "llama4": dict(model_type="llama4_text", num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
+                   intermediate_size_mlp=128, interleave_moe_layer_step=2, head_dim=16),
+    "gpt_neox": dict(model_type="gpt_neox"),
+    "bloom": dict(model_type="bloom", n_head=4, n_layer=2),
+    "falcon": {**_FALCON, "new_decoder_architecture": True, "num_kv_heads": 2},           # Falcon-40B
+    "falcon_mqa": {**_FALCON, "new_decoder_architecture": False, "multi_query": True},   # Falcon-7B
+    "falcon_rw": {**_FALCON, "new_decoder_architecture": False, "multi_query": False, "parallel_attn": False,
+                  "bias": True, "alibi": True},                                           # Falcon-RW
+    "gptj": dict(model_type="gptj", n_embd=64, n_head=4, n_layer=2, rotary_dim=8),
+    "phi": dict(model_type="phi"),
+    "stablelm": dict(model_type="stablelm", use_qkv_bias=True),
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "phimoe": dict(model_type="phimoe", num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                   lm_head_bias=True),
+    "granitemoe": dict(model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "granitemoeshared": dict(model_type="granitemoeshared", num_local_experts=4, num_experts_per_tok=2,
+                             intermediate_size=32, shared_intermediate_size=64),
+    "ernie4_5_moe": dict(model_type="ernie4_5_moe", num_hidden_layers=3, moe_num_experts=4, moe_k=2,
+                         moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1,
+                         moe_layer_end_index=1),
+    "exaone4": dict(model_type="exaone4"),
+    "smollm3": dict(model_type="smollm3"),
+    "jamba": dict(model_type="jamba", num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8),
+}
+# config.json architectures as the released checkpoints name them (transformers saves its own class name).
+SERVED_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM"}
 DENSE = ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mistral", "phi3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
@@ -71,7 +103,7 @@ MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 def build_config(family: str, **overrides):
     from transformers import AutoConfig
 
-    kw = {**COMMON, **(FAMILIES.get(family) or LAYOUT_FAMILIES[family]), **overrides}
+    kw = {**COMMON, **(FAMILIES.get(family) or LAYOUT_FAMILIES.get(family) or SERVED_FAMILIES[family]), **overrides}
     model_type = kw.pop("model_type")
     return AutoConfig.for_model(model_type, **kw)
 
@@ -94,6 +126,9 @@ def save_checkpoint(family: str, out_dir: str | Path, seed: int = 0, dtype=torch
     out = Path(out_dir)
     model = build_model(family, seed=seed, **overrides).to(dtype)
     model.save_pretrained(out, max_shard_size=max_shard_size)
+    if family in SERVED_ARCHITECTURES:
+        config = read_config(out)
+        (out / "config.json").write_text(json.dumps({**config, "architectures": [SERVED_ARCHITECTURES[family]]}))
     return out
 
 

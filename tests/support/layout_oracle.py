@@ -110,9 +110,11 @@ def attention_shards(hf: dict[str, torch.Tensor], config: dict, a: str, r: int, 
     d = config.get("head_dim") or config["hidden_size"] // n_heads
     out: dict[str, torch.Tensor] = {}
     q_norm, k_norm = hf.get(a + "self_attn.q_norm.weight"), hf.get(a + "self_attn.k_norm.weight")
-    if q_norm is not None and tuple(q_norm.shape) == (d,):  # Qwen3, Gemma3: one [head_dim] norm for all heads
+    if q_norm is not None and q_norm.dim() == 1:
+        # Qwen3, Gemma3: one [head_dim] norm for all heads; OLMo2 / OLMoE [heads * d] over the whole projection,
+        # which vLLM keeps whole on every rank (it gathers q and k before the norm)
         out[a + "self_attn.q_norm.weight"], out[a + "self_attn.k_norm.weight"] = q_norm, k_norm
-    elif q_norm is not None:  # OLMo2 [heads * d], Cohere [heads, d]: each rank its heads, like q and k
+    elif q_norm is not None:  # Cohere [heads, d]: each rank its heads, like q and k
         per_head = k_norm.shape[0] // n_kv
         out[a + "self_attn.q_norm.weight"] = rows(q_norm, r, p)
         out[a + "self_attn.k_norm.weight"] = kv_rows(k_norm, r, p, n_kv, per_head)
@@ -172,30 +174,37 @@ def moe_shards(hf: dict[str, torch.Tensor], moe: str, parts: tuple[str, str, str
 
 
 def gpt_shards(hf: dict[str, torch.Tensor], config: dict, r: int, p: int) -> dict[str, torch.Tensor]:
-    """GPT-2 / GPTBigCode (vLLM gpt2.py, gpt_bigcode.py): GPT-2's Conv1D weights are [in, out] on disk and
-    [out, in] in serving; c_attn = [q; k; v] (GPTBigCode multi-query: one kv head, on every rank)."""
+    """GPT-2 (vLLM gpt2.py): Conv1D weights [in, out] on disk, [out, in] in serving; c_attn = [q; k; v]. GPTBigCode
+    as vLLM 0.32's Transformers backend serves it: `transformer.` as `model.`, c_attn one kv head on every rank,
+    the MLP whole on every rank (its tensor-parallel plan leaves it out)."""
     conv1d = config["model_type"] == "gpt2"
     n_heads, hidden = config["n_head"], config["n_embd"]
     d = hidden // n_heads
     n_kv = 1 if config.get("multi_query") else n_heads
-    out = {"transformer.wte.weight": vocab_rows(hf["transformer.wte.weight"], r, p)}
-    for name in ("transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"):
-        out[name] = hf[name]
+    top = "transformer." if conv1d else "model."
+    out = {top + "wte.weight": vocab_rows(hf["transformer.wte.weight"], r, p)}
+    for name in ("wpe.weight", "ln_f.weight", "ln_f.bias"):
+        out[top + name] = hf["transformer." + name]
     for i in range(config["n_layer"]):
-        a = f"transformer.h.{i}."
+        a, b = f"transformer.h.{i}.", f"{top}h.{i}."
         w = {k[len(a):]: (v.t() if conv1d and k.endswith(".weight") and ".c_" in k else v)
              for k, v in hf.items() if k.startswith(a)}
         for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_proj.bias"):
-            out[a + name] = w[name]
+            out[b + name] = w[name]
         for kind in ("weight", "bias"):
             q, k, v = w[f"attn.c_attn.{kind}"].split([hidden, n_kv * d, n_kv * d])
-            out[a + f"attn.c_attn.{kind}"] = torch.cat([rows(q, r, p), kv_rows(k, r, p, n_kv, d),
+            out[b + f"attn.c_attn.{kind}"] = torch.cat([rows(q, r, p), kv_rows(k, r, p, n_kv, d),
                                                        kv_rows(v, r, p, n_kv, d)])
-        out[a + "mlp.c_fc.weight"], out[a + "mlp.c_fc.bias"] = rows(w["mlp.c_fc.weight"], r, p), rows(w["mlp.c_fc.bias"], r, p)
-        out[a + "attn.c_proj.weight"] = cols(w["attn.c_proj.weight"], r, p)
-        out[a + "mlp.c_proj.weight"] = cols(w["mlp.c_proj.weight"], r, p)
+        out[b + "attn.c_proj.weight"] = cols(w["attn.c_proj.weight"], r, p)
+        if conv1d:
+            out[b + "mlp.c_fc.weight"], out[b + "mlp.c_fc.bias"] = (rows(w[f"mlp.c_fc.{x}"], r, p)
+                                                                    for x in ("weight", "bias"))
+            out[b + "mlp.c_proj.weight"] = cols(w["mlp.c_proj.weight"], r, p)
+        else:
+            for name in ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight"):
+                out[b + name] = w[name]
     shards = {name: v.clone(memory_format=torch.contiguous_format) for name, v in out.items()}
-    shards["lm_head.weight"] = shards["transformer.wte.weight"]  # tied, aliased as the loader does
+    shards["lm_head.weight"] = shards[top + "wte.weight"]  # tied, aliased as the loader does
     return shards
 
 

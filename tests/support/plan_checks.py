@@ -12,6 +12,7 @@ from layout_oracle import serving_shards
 
 from distload.dtypes import torch_dtype
 from distload.plan.shard import LocalLayout, view2d
+from distload.postprocess import OPS
 
 
 def arange_values(entries: dict) -> dict[str, torch.Tensor]:
@@ -150,8 +151,8 @@ def assert_each_byte_read_once(plan) -> None:
 
 
 def staged_shards(plan, rank: int, values: dict) -> dict:
-    """Rank's params from the pure plan of a load with post-load transposes: every staged element delivered
-    exactly once (padding: never, and zero), then transposed as the plan's steps say."""
+    """Rank's params from the pure plan of a load with post-load steps: every staged element delivered exactly once
+    (padding: never, and zero), then the plan's steps run (transposes; the rules' permutes and transforms)."""
     import torch
 
     from distload.dtypes import torch_dtype
@@ -174,9 +175,9 @@ def staged_shards(plan, rank: int, values: dict) -> dict:
             c[r0:r1, c0:c1] += 1
         assert torch.equal(c, torch.ones_like(c)), f"rank {rank} {n}: not covered exactly once"
     got = {n: b.reshape(staging[n].local_shape) for n, b in bufs.items()}
-    for step in plan.post[rank]:
-        assert step.op == "transpose" and step.inputs == step.outputs
-        got[step.inputs[0]] = got[step.inputs[0]].transpose(-2, -1)
+    for step in plan.post[rank]:   # by the loader's own post-load ops (transposes, permutes, value transforms)
+        finals = [plan.specs[rank][n] for n in step.outputs]
+        got.update(zip(step.outputs, OPS[step.op](step, finals, *(got[n] for n in step.inputs))))
     for n, s in plan.specs[rank].items():
         if s.alias_of is not None:
             got[n] = got[s.alias_of]
