@@ -67,9 +67,9 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
                         "'sharded_state', tp = the world size)")
     p.add_argument("--report", default=None, metavar="FILE", help="write the report JSON to FILE (rank 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--quantize", default=None, choices=["fp8", "fp8-block"],
+    p.add_argument("--quantize", default=None, choices=["fp8", "fp8-block", "fp8-channel"],
                    help="quantize a BF16/FP16 checkpoint's linear weights on each rank as they land: fp8 (one scale "
-                        "per rank-local param) or fp8-block (128x128 blocks)")
+                        "per rank-local param), fp8-block (128x128 blocks) or fp8-channel (one per output row)")
     p.add_argument("--dequantize", action="store_true", help="turn an FP8 checkpoint's weights into BF16")
     p.add_argument("--reshard", action="store_true",
                    help="loading a --save-sharded directory saved on another topology: re-cut its shards for this job")

@@ -4,7 +4,7 @@
     companions.py   the tensors beside a weight, found by suffix, all parts or none
     per_part.py     per-part companions: held whole, every part's, in part order
     steps.py        the steps' shared parts: the step with its parameters, which rows are which part's
-    scaled.py       the family whose weight stays X.weight, scales beside it      fp8.py  fp8_block.py
+    scaled.py       the family whose weight stays X.weight, scales beside it      fp8.py  fp8_block.py  fp8_channel.py
     block_grid.py   block scales cut on the block grid of their weight's cut
     online.py       --quantize: a scaled format made on each rank as the weights land
     packed.py       the family of packed 4-bit tensors over a logical weight     gptq.py  awq.py  ct_int4.py
@@ -30,13 +30,15 @@ from .bnb import Bnb4
 from .ct_int4 import CtInt4
 from .fp8 import Fp8Tensor
 from .fp8_block import Fp8Block
+from .fp8_channel import Fp8Channel
 from .gptq import Gptq
 from .mxfp4 import Mxfp4
 from .nvfp4 import Nvfp4
 from .online import Online
 
-FORMATS = (Fp8Tensor, Fp8Block, Gptq, Awq, CtInt4, Nvfp4, Bnb4, Mxfp4)
-ONLINE = {"fp8": Fp8Tensor, "fp8-block": Fp8Block}     # --quantize NAME: the scaled format made on each rank
+FORMATS = (Fp8Tensor, Fp8Block, Fp8Channel, Gptq, Awq, CtInt4, Nvfp4, Bnb4, Mxfp4)
+# --quantize NAME: the scaled format made on each rank as the weights land
+ONLINE = {"fp8": Fp8Tensor, "fp8-block": Fp8Block, "fp8-channel": Fp8Channel}
 
 
 def _ops() -> dict:

@@ -168,8 +168,8 @@ def test_scheme_from_config():
     with pytest.raises(PlanError, match=r"quant_method hqq\): not supported; distload loads fp8 \(quant_method fp8"):
         checkpoint_format({"quantization_config": {"quant_method": "hqq"}})
     assert checkpoint_format({"quantization_config": {"quant_method": "gptq"}}).name == "gptq"  # gptq.py's
-    ct["config_groups"]["g"]["weights"]["strategy"] = "channel"
-    with pytest.raises(PlanError, match="strategy 'channel'"):
+    ct["config_groups"]["g"]["weights"]["strategy"] = "group"
+    with pytest.raises(PlanError, match="strategy 'group'"):
         checkpoint_format({"quantization_config": ct})
 
 
