@@ -5,6 +5,7 @@
     per_part.py     per-part companions: held whole, every part's, in part order
     steps.py        the steps' shared parts: the step with its parameters, which rows are which part's
     scaled.py       the family whose weight stays X.weight, scales beside it      fp8.py  fp8_block.py  fp8_channel.py
+                                                                                  int8_channel.py
     block_grid.py   block scales cut on the block grid of their weight's cut
     online.py       --quantize: a scaled format made on each rank as the weights land
     packed.py       the family of packed 4-bit tensors over a logical weight     gptq.py  awq.py  ct_int4.py
@@ -32,11 +33,12 @@ from .fp8 import Fp8Tensor
 from .fp8_block import Fp8Block
 from .fp8_channel import Fp8Channel
 from .gptq import Gptq
+from .int8_channel import Int8Channel
 from .mxfp4 import Mxfp4
 from .nvfp4 import Nvfp4
 from .online import Online
 
-FORMATS = (Fp8Tensor, Fp8Block, Fp8Channel, Gptq, Awq, CtInt4, Nvfp4, Bnb4, Mxfp4)
+FORMATS = (Fp8Tensor, Fp8Block, Fp8Channel, Int8Channel, Gptq, Awq, CtInt4, Nvfp4, Bnb4, Mxfp4)
 # --quantize NAME: the scaled format made on each rank as the weights land
 ONLINE = {"fp8": Fp8Tensor, "fp8-block": Fp8Block, "fp8-channel": Fp8Channel}
 
