@@ -140,7 +140,8 @@ class LoadOptions:
                                    "torch.distributed.checkpoint dir)", metavar="DIR")
     quantize: str | None = option(
         None, "quantize a BF16/FP16 checkpoint's linear weights on each rank as they land: fp8 (one scale per "
-        "rank-local param) or fp8-block (128x128 blocks)", choices=("fp8", "fp8-block"))
+        "rank-local param), fp8-block (128x128 blocks) or fp8-channel (one per output row)",
+        choices=("fp8", "fp8-block", "fp8-channel"))
     dequantize: bool = option(False, "turn an FP8 or 4-bit checkpoint's weights into BF16")
     verify_checksums: bool = option(
         False, "before the transfer, readers check each weight file's sha256 against CKPT/checksums (sha256sum "

@@ -1,15 +1,10 @@
 """Post-load steps on each rank (DESIGN §2 step 6): what the transfer delivered -> what serving kernels want.
 
-The plan gives each rank a list of steps (quant.fp8_steps.Step, data); this module runs them with
-distload.kernels (Triton on CUDA, the torch references on CPU):
-
-    requantize        fused fp8 weight, one scale per part -> the same weight (in place), one scale
-    max               per-part static input scales -> their max
-    quantize          --quantize fp8: high-precision weight -> fp8 + one fp32 scale (per expert for experts)
-    quantize_block    --quantize fp8-block: -> fp8 + weight_scale_inv per [128, 128] block of the local shard
-    dequantize(_block)  --dequantize: fp8 weight and its scales -> BF16 weight
-    transpose         a param stored transposed (plan/transpose.py)
-    rotary_halves     rows inside each head from rotary pairs to halves; neg_exp: -exp(x) (plan/landing.py)
+The plan gives each rank a list of steps (plan.types.Step, data); this module runs each by its op's name: the
+quantization formats' ops (quant.OPS: requantize fused FP8 params to one scale, --quantize, --dequantize, ...,
+each calling distload.kernels, Triton on CUDA, the torch references on CPU), `transpose` (plan/transpose.py)
+and the rules' landing steps (plan/landing.py): rotary_halves (rows inside each head from rotary pairs to
+halves) and neg_exp (-exp(x)).
 
 Why steps run *during* the transfer: a step runs as soon as every one of its inputs has fully arrived
 (the transfer calls `on_bucket_done` after each bucket), and its inputs are allocated on their first
@@ -24,96 +19,17 @@ written exactly once, twice when one was written twice, and not at all when one 
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
 
 import torch
 
+from . import quant
 from .transfer import host_memory
-from . import kernels
-from .quant import ops_4bit as postprocess_4bit
 from .dtypes import torch_dtype
 from .reconcile import coverage
 from .plan.shard import view2d
-
-
-def _matrices(t: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [1, N, K]; [E, N, K] as it is: one code path for dense and expert weights."""
-    return t.unsqueeze(0) if t.dim() == 2 else t
-
-
-def _requantize(step, finals, weight, scales):
-    w = _matrices(weight)
-    s = scales.reshape(w.shape[0], -1).float()
-    rows, parts = [r for r, _ in step.runs], [p for _, p in step.runs]
-    one = torch.empty(w.shape[0], dtype=torch.float32, device=weight.device)
-    for e in range(w.shape[0]):
-        _, one[e] = kernels.requantize_fp8_parts(w[e], rows, s[e, parts])  # rewrites w[e] in place
-    return weight, one
-
-
-def _max(step, finals, scales):
-    return scales.reshape(math.prod(finals[0].local_shape), -1).float().amax(dim=1)
-
-
-def _quantize(step, finals, weight):
-    if weight.dim() == 2:
-        return kernels.quantize_fp8_per_tensor(weight)
-    q = host_memory.empty(weight.shape, kernels.FP8_DTYPE, weight.device)
-    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-    for e in range(weight.shape[0]):  # one scale per expert: each is its own GEMM
-        q[e], scales[e] = kernels.quantize_fp8_per_tensor(weight[e])
-    return q, scales
-
-
-# Block kernels are called on bands of whole block rows (a block never crosses a band, so the result is the
-# same): the CPU references widen their input to fp32 several times over, and a band bounds that to ~4 MiB
-# per temporary instead of several copies of the largest matrix.
-BAND_ELEMS = 1 << 20
-
-
-def _bands(weight: torch.Tensor, block):
-    """(matrix, first row, last row) of bands of whole block rows down every matrix of `weight`."""
-    w = _matrices(weight)
-    n, k = w.shape[1:]
-    rows = max(1, BAND_ELEMS // max(1, k) // block[0]) * block[0]
-    for e in range(w.shape[0]):
-        for r0 in range(0, n, rows):
-            yield e, r0, min(n, r0 + rows)
-
-
-def _quantize_block(step, finals, weight):
-    bn = step.block[0]
-    q = host_memory.empty(weight.shape, kernels.FP8_DTYPE, weight.device)
-    s = torch.empty(kernels.block_scale_shape(weight.shape, step.block), dtype=torch.float32, device=weight.device)
-    wq, ws, w = _matrices(q), _matrices(s), _matrices(weight)
-    for e, r0, r1 in _bands(weight, step.block):
-        wq[e, r0:r1], ws[e, r0 // bn:-(-r1 // bn)] = kernels.quantize_fp8_block(w[e, r0:r1], step.block)
-    return q, s
-
-
-def _dequantize(step, finals, weight, scales, *input_scales):
-    dtype = torch_dtype(finals[0].dtype)
-    w = _matrices(weight)
-    s = scales.reshape(w.shape[0], -1)
-    out = host_memory.empty(w.shape, dtype, weight.device)
-    for e in range(w.shape[0]):
-        row = 0
-        for rows, part in step.runs:  # each part with its own scale: no requantization error on the way
-            out[e, row:row + rows] = kernels.dequantize_fp8_per_tensor(w[e, row:row + rows], s[e, part], dtype)
-            row += rows
-    return (out.reshape(weight.shape),)
-
-
-def _dequantize_block(step, finals, weight, scale_inv, *input_scales):
-    bn, dtype = step.block[0], torch_dtype(finals[0].dtype)
-    out = host_memory.empty(weight.shape, dtype, weight.device)
-    o, w, s = _matrices(out), _matrices(weight), _matrices(scale_inv)
-    for e, r0, r1 in _bands(weight, step.block):
-        o[e, r0:r1] = kernels.dequantize_fp8_block(w[e, r0:r1], s[e, r0 // bn:-(-r1 // bn)], step.block, dtype)
-    return (out,)
 
 
 def _rotary_halves(step, finals, weight):
@@ -127,13 +43,7 @@ def _rotary_halves(step, finals, weight):
 
 
 OPS = {
-    "requantize": _requantize,
-    "max": lambda step, finals, scales: (_max(step, finals, scales),),
-    "quantize": _quantize,
-    "quantize_block": _quantize_block,
-    "dequantize": _dequantize,
-    "dequantize_block": _dequantize_block,
-    **postprocess_4bit.OPS,
+    **quant.OPS,   # every format's ops by name (quant/: each format module names its own)
     "transpose": lambda step, finals, staged: (staged.transpose(-2, -1).contiguous(),),  # plan/transpose.py
     "rotary_halves": _rotary_halves,
     "neg_exp": lambda step, finals, x: (torch.exp(x).neg_(),),

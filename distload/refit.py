@@ -41,6 +41,7 @@ from .loader import LoadResult
 from .options import LoadOptions
 from .plan import DEFAULT_STAGING_BYTES, build_plan
 from .postprocess import PostProcess
+from .quant import for_load
 from .reconcile import reconcile
 from .rules import rules_for
 from .transfer import broadcast_object
@@ -243,8 +244,8 @@ def _announce(rank: int, src: int, version: int | None, tensors: dict):
 def _update_plan(meta: dict, hf_config: dict, family, layout, staging: int, quantize, dequantize, partial: bool):
     """The plan of a load of a checkpoint holding the update's tensors, the source its one reader."""
     index = {n: TensorEntry(n, n, dtype, shape, 0, math.prod(shape) * itemsize(dtype)) for n, (dtype, shape) in meta.items()}
-    plan = build_plan(index, hf_config, family, layout, strict=False, staging_bytes=staging, quantize=quantize,
-                      dequantize=dequantize)
+    plan = build_plan(index, hf_config, family, layout, strict=False, staging_bytes=staging,
+                      quantization=for_load(hf_config, quantize, dequantize))
     if plan.unexpected:
         raise PlanError(f"refit refused before any byte moved: the rules ({family.source}) place no param for "
                         f"{names.describe(plan.unexpected)}; send checkpoint (Hugging Face) names")

@@ -17,6 +17,7 @@ from .plan import expected_shapes
 from .checkpoint import discover
 from .errors import DistloadError
 from .plan import build_plan
+from .quant import for_load
 from .rules import FamilyRules, parse_rules
 from .rules.landing import TRANSFORMS
 from .topology import Layout
@@ -150,7 +151,7 @@ def explain(rules: FamilyRules, tensors: dict, config: dict, tp: int = 1) -> Che
     lines = [f"rules {rules.source} (family {rules.name}) over {len(tensors)} checkpoint tensors at tp {tp}"]
     lines += _dims_lines(rules, config)
     try:
-        plan = build_plan(tensors, config, rules, Layout(world=tp, tp=tp), strict=False)
+        plan = build_plan(tensors, config, rules, Layout(world=tp, tp=tp), strict=False, quantization=for_load(config))
     except DistloadError as exc:
         return CheckResult(False, tuple(lines + [f"error: {exc}"]))
     lines += _param_lines(plan, rules, config)

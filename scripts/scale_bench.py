@@ -33,6 +33,7 @@ from distload.checkpoint import discover  # noqa: E402
 from distload.errors import DistloadError  # noqa: E402
 from distload.inspect_cmd import rank_traffic  # noqa: E402
 from distload.plan import build_plan  # noqa: E402
+from distload.quant import for_load  # noqa: E402
 from distload.rules import rules_for  # noqa: E402
 from distload.topology import Layout, reader_ranks  # noqa: E402
 from distload.transfer.agreement import plan_digest  # noqa: E402
@@ -244,7 +245,8 @@ def measure(model: str, world: int, rank: int, cache: Path, quantize: str | None
     rules = rules_for(index.config)
     cpu_parse = time.process_time() - cpu0
     cpu0 = time.process_time()
-    plan = build_plan(index.tensors, index.config, rules, layout, quantize=quantize, rank=rank)
+    plan = build_plan(index.tensors, index.config, rules, layout, quantization=for_load(index.config, quantize),
+                      rank=rank)
     cpu_plan = time.process_time() - cpu0
     peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
     cpu0 = time.process_time()
@@ -254,7 +256,8 @@ def measure(model: str, world: int, rank: int, cache: Path, quantize: str | None
     record = detail_record_bytes(plan, rank)
     rank_sources, rank_buckets = len(plan.sources), len(plan.buckets)
     if plan.planned_for is not None:
-        plan = build_plan(index.tensors, index.config, rules, layout, quantize=quantize)   # the job's
+        plan = build_plan(index.tensors, index.config, rules, layout,   # the job's
+                          quantization=for_load(index.config, quantize))
     read = {}
     for b in plan.buckets:   # the job waits for its slowest node: its bytes read against the mean
         read[layout.node(b.reader)] = read.get(layout.node(b.reader), 0) + b.read_bytes

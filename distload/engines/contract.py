@@ -87,6 +87,8 @@ def destinations(model: torch.nn.Module, profile: NamingProfile):
     data_of: dict[int, torch.Tensor] = {}  # one destination per Parameter, so tied params stay one tensor
     into, copies = {}, []
     for name, param in by_name.items():
+        if profile.leaves(name):   # the engine's own loader leaves it as made, unless a checkpoint tensor fills it
+            continue
         target = profile.alias_target(name, by_name)
         if target is not None:
             if by_name[target] is not param:

@@ -16,15 +16,13 @@ from ..rules import names
 from ..rules import FamilyRules
 from ..topology import Layout
 from . import expected_shapes, landing, pipeline, transpose
-from ..quant import (fp8 as quant, packed4 as quant4, packed4_formats as quant4_formats,
-                     packed4_layouts as quant4_layouts, packed4_steps as quant4_steps, fp8_layouts as quant_layouts,
-                     fp8_steps as quant_steps)
 from .bounds import check_loop_bounds
 from ..gc_freeze import collector_paused
 from .digest import inputs_digest
 from .buckets import DEFAULT_STAGING_BYTES, buckets_for, interleaved
 from .experts import expert_placement
 from .layouts import Planned, layouts_for_target, relayout
+from .quantization import UNQUANTIZED
 from .other_blocks import Away, elsewhere_in_bulk
 from .spans import Elsewhere, block_nodes, merged_run, reader_spans
 from .targets import expand_targets, match_checkpoint
@@ -36,30 +34,26 @@ from .types import LoadPlan, ParamSpec, Share, Source, geometry as source_geomet
 
 @collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
 def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
-               strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, quantize: str | None = None,
-               dequantize: bool = False, rank: int | None = None) -> LoadPlan:
+               strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, quantization=UNQUANTIZED,
+               rank: int | None = None) -> LoadPlan:
     """Plan the load. `tensors` maps checkpoint names to entries (name, file, offset, dtype, shape).
 
-    quantize ('fp8' | 'fp8-block'): quantize the linear weights on each rank as they land; dequantize:
-    turn an FP8 checkpoint's weights into BF16 (see quant_steps.py). rank: plan what that rank needs (the
+    quantization: what the load does about quantization (quant.for_load: the checkpoint's format, --quantize,
+    --dequantize; plan/quantization.py says what the plan asks of it). rank: plan what that rank needs (the
     load's plan: the job-wide buckets and its block's own, spans.py), not the rows other blocks alone take and
     read; None: the whole job (tools, tests, refit, resharding).
     """
     check_loop_bounds(tensors, rules, config)
     digest = inputs_digest(tensors, config, rules, layout, strict=strict, staging_bytes=staging_bytes,
-                           quantize=quantize, dequantize=dequantize)
+                           quantization=quantization.key)
     layout = pipeline.resolved_layout(layout, rules, config)   # with the stage partition it plans with
     targets, tied = expand_targets(rules, config, tensors)
-    # A quantized checkpoint's scales travel with their weights: targets derived from config.json.
-    scheme = quant.checkpoint_scheme(config)
-    companions = quant.companions(targets, tensors, scheme)
-    # A packed 4-bit checkpoint is planned on its logical weights; the packed tensors follow them (quant4*.py).
-    packed4 = quant4_formats.checkpoint_scheme(config)
-    logical = quant4.logical_index(targets, tensors, packed4, rules, config)
-    targets, index = logical.targets, landing.served_index(logical.targets, logical.index, rules, config)  # reshapes
-    match = match_checkpoint(targets, companions + list(logical.packed), tied, index, rules, config, strict)
+    # What planning cuts: a quantized checkpoint's companions (scales, packed tensors) travel with their weights.
+    view = quantization.view(targets, tensors, rules, config)
+    index = landing.served_index(view.targets, view.index, rules, config)   # reshapes
+    match = match_checkpoint(view.targets, list(view.companions), tied, index, rules, config, strict)
     by_name = {t.name: t for t in match.targets}
-    companions = [c for c in companions if c.weight in by_name]
+    view = view.matched(by_name)
 
     placement = None
     if any(t.rule.style == "expert" for t in match.targets):
@@ -67,27 +61,16 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     # Every claimed tensor against the full shape and dtype the rules imply, before the cuts (which check only
     # the sizes they use, and would name a rule's dims where this names config.json's keys).
     expected_shapes.check_shapes(match.targets, index, rules, config)
-    expected_shapes.check_dtypes(match.targets, companions, index, quantized=scheme is not None)
+    expected_shapes.check_dtypes(match.targets, index, quantization)
     planned = {t.name: layouts_for_target(t, index, rules, config, layout, placement) for t in match.targets}
-    for c in companions:  # cut from the weight's own layout, so weight and scale shards always match
-        t = by_name[c.weight]
-        group = layout.expert_group_size if t.rule.style == "expert" else layout.tp
-        planned[c.name] = quant_layouts.companion_layouts(c, t, *planned[c.weight], tensors, scheme, group,
-                                                          lambda q, t=t: relayout(t, tensors, rules, config, q))
-    unpacked = quant4_layouts.packed_layouts(planned, logical.packed, by_name, index, packed4, layout.tp,
-                                             lambda n, q: relayout(by_name[n], index, rules, config, q), dequantize)
+    cuts = quantization.cut(view, planned, by_name, layout, lambda n, q: relayout(by_name[n], index, rules, config, q))
     specs = RankSpecs({name: as_rank_values(sp, layout) for name, (sp, _) in planned.items()}, layout.world)
     _add_aliases(specs, tied)
-    if packed4:
-        final, post, quantization = quant4_steps.finalize(specs, unpacked, logical.packed, by_name, index, packed4,
-                                                          quantize, dequantize)
-    else:
-        final, post, quantization = quant_steps.finalize(specs, planned, by_name, companions, tensors, scheme,
-                                                         quantize=quantize, dequantize=dequantize)
+    final, post, quantized = quantization.finalize(view, specs, planned, cuts, by_name)
     specs, post = transpose.stage(specs, post, by_name)   # params stored transposed land, then turn
     post = landing.stage(post, by_name, rules, config, layout)   # rules' permute / transform after landing
     # Pipeline stages: a param's values only on its stages' ranks, so no rank reads or holds another stage's layers.
-    stages = pipeline.stages_of(layout, match.targets, companions, logical.packed, tied)
+    stages = pipeline.stages_of(layout, match.targets, view.companions, tied)
     final, specs, post = (pipeline.masked_specs(final, stages), pipeline.masked_specs(specs, stages),
                           pipeline.masked_steps(post, stages))
     claimed = set(_shares(planned, layout)) if stages is not None else set()
@@ -105,14 +88,14 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     notes = []
     if match.ignored:
         notes.append(f"ignored by rule: {names.describe(match.ignored)}")
-    if quantization:
-        notes.append(f"quantization: {quantization}")
+    if quantized:
+        notes.append(f"quantization: {quantized}")
     return LoadPlan(family=rules.name, layout=layout, specs=final if isinstance(final, RankSpecs) else tuple(final),
                     sources={s.name: s for s in sources},
                     buckets=buckets, missing=tuple(match.missing), unexpected=tuple(match.unexpected),
                     ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in planned_sources),
                     notes=tuple(notes),
-                    staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantization,
+                    staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantized,
                     digest=digest, planned_for=None if home is None else rank, block_own_from=block_own_from,
                     received=tuple(map(index.__getitem__, shares)))
 

@@ -11,8 +11,9 @@ Dtype policy (one place, explicit): a param is floating point. `dtype = "float"`
 checkpoint's weight dtype, the float dtype holding the most bytes, and no other width: distload never casts,
 so a param of another width would load as stored. `dtype = "any-float"` accepts any float width (norms or
 routers some checkpoints keep in F32); `dtype = "float32"` accepts any float width and delivers the param as F32
-(converted while its pieces land: vLLM keeps DeepSeek's e_score_correction_bias in fp32 whatever is stored). FP8 only where config.json declares a quantization (plan/quant.py checks
-the scales); integer and bool dtypes are always refused.
+(converted while its pieces land: vLLM keeps DeepSeek's e_score_correction_bias in fp32 whatever is stored).
+A quantized weight only in what its quantization stores (fp8, int8 codes: quant/ checks the scales); other
+integer and bool dtypes are always refused.
 """
 
 from __future__ import annotations
@@ -242,36 +243,32 @@ def _dtype_census(targets, tensors: dict) -> tuple[Counter, list[set[str]]]:
     return nbytes, distinct
 
 
-def check_dtypes(targets, companions, tensors: dict, quantized: bool) -> None:
-    """PlanError at the first claimed tensor whose dtype the policy above refuses. Whether a source is refused
-    depends on its dtype alone (within its target), so each target's distinct dtypes are judged first and
-    only a target with a refused one is walked source by source."""
+def check_dtypes(targets, tensors: dict, quantization) -> None:
+    """PlanError at the first claimed tensor whose dtype the policy above refuses (a quantized weight: in the
+    dtypes `quantization` stores weights in). Whether a source is refused depends on its dtype alone (within its
+    target), so each target's distinct dtypes are judged first and only a target with a refused one is walked
+    source by source."""
     nbytes, distinct = _dtype_census(targets, tensors)
     main = _weight_dtype(nbytes)
     for t, dtypes in zip(targets, distinct):
         mixed = len(dtypes) > 1   # the plan names both parts' dtypes
-        if any(_refusal(t, None, d, main, mixed, quantized) for d in dtypes):
+        if any(_refusal(t, None, d, main, mixed, quantization) for d in dtypes):
             for s in t.sources:
-                refusal = _refusal(t, s, tensors[s].dtype, main, mixed, quantized)
+                refusal = _refusal(t, s, tensors[s].dtype, main, mixed, quantization)
                 if refusal:
                     raise PlanError(refusal)
-    for c in companions:
-        if set(map(_DTYPE, map(tensors.__getitem__, c.sources))).issubset(FLOATS):
-            continue
-        for s in c.sources:
-            if tensors[s].dtype not in FLOATS:
-                raise PlanError(f"{s}: a quantization scale stored as {tensors[s].dtype}; scales are float (F32, "
-                                f"BF16, F16): the checkpoint is damaged or mislabelled")
 
 
-def _refusal(t, s: str | None, dtype: str, main: str | None, mixed: bool, quantized: bool) -> str | None:
+def _refusal(t, s: str | None, dtype: str, main: str | None, mixed: bool, quantization) -> str | None:
     """Why the policy refuses source `s` of target `t` stored as `dtype`; None: accepted."""
+    if dtype in quantization.weight_dtypes:
+        return None
     if dtype in FP8S:
-        if quantized:
-            return None
-        return (f"{s}: stored as {dtype}, but config.json declares no quantization_config; an FP8 weight without "
-                f"its scheme would load as raw FP8 values: add the checkpoint's quantization_config or re-save it "
-                f"in a float dtype")
+        declared = quantization.describe()
+        return (f"{s}: stored as {dtype}, but " + (f"its quantization ({declared}) stores no {dtype} weights"
+                                                   if declared else "config.json declares no quantization_config")
+                + "; an FP8 weight without its scheme would load as raw FP8 values: add the checkpoint's "
+                  "quantization_config or re-save it in a float dtype")
     if dtype not in FLOATS:
         return (f"{s}: stored as {dtype}, but param {t.name} is floating point; integer and bool dtypes are "
                 f"refused (the checkpoint is damaged or mislabelled): re-save it")

@@ -50,7 +50,7 @@ class Placement:
     @functools.cached_property
     def one_per_shape(self) -> tuple[int, ...]:
         """The first value index of each distinct (rank in expert group, number of experts hosted): one rank
-        per shape of expert params, for checks that need one each (quant_layouts.py), once per placement."""
+        per shape of expert params, for checks that need one each (quant/block_grid.py), once per placement."""
         first: dict[tuple[int, int], int] = {}
         for i, (k, t) in enumerate(self.keys):
             first.setdefault((t, len(self.hosts[k])), i)
@@ -59,7 +59,7 @@ class Placement:
     @functools.cached_property
     def memo(self) -> dict:
         """Takers of expert sources (and of their block scales) by cut template, expert and part: alike across
-        layers (expert_layouts.py, quant_layouts.py)."""
+        layers (expert_layouts.py, quant/expert_companions.py)."""
         return {}
 
     def per_rank(self) -> list[tuple[int, ...]]:

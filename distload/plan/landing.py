@@ -13,12 +13,18 @@ rectangles of the stored tensor, and a rank rewrites only its own shard, once.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..errors import PlanError
-from ..quant.fp8_steps import Step
 from ..rules import dims as dim_expr
 from .ranks import RankValues, per_group
+from .types import Step
+
+
+@dataclass(frozen=True)
+class LandingStep(Step):
+    """A permute or transform step; runs: rotary_halves' ((rows, head_dim),), nothing for a transform."""
+    runs: tuple[tuple[int, int], ...] = ()
 
 
 def _shape(exprs: tuple[str, ...], rules, config: dict, where: str) -> tuple[int, ...]:
@@ -56,17 +62,17 @@ def _rows_to_permute(rule, rules, config: dict, tp: int) -> int:
     return (heads // tp + max(1, kv_heads // tp)) * rules.dim(config, "head_dim")
 
 
-def steps_of(targets: dict, rules, config: dict, tp: int) -> tuple[Step, ...]:
+def steps_of(targets: dict, rules, config: dict, tp: int) -> tuple[LandingStep, ...]:
     """The post-load steps the rules' permute / transform keys ask for, the same on every rank holding the params."""
     steps = []
     for name in sorted(targets):
         rule = targets[name].rule
         if rule.permute is not None:
             head_dim = rules.dim(config, "head_dim")
-            steps.append(Step(rule.permute, (name,), (name,), runs=((_rows_to_permute(rule, rules, config, tp),
-                                                                      head_dim),)))
+            steps.append(LandingStep(rule.permute, (name,), (name,),
+                                     runs=((_rows_to_permute(rule, rules, config, tp), head_dim),)))
         if rule.transform is not None:
-            steps.append(Step(rule.transform, (name,), (name,)))
+            steps.append(LandingStep(rule.transform, (name,), (name,)))
     return tuple(steps)
 
 

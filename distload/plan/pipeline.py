@@ -69,8 +69,8 @@ class Stages:
         return self.layout.pp_rank(rank) in self.of(name)
 
 
-def stages_of(layout: Layout, targets, companions, packed, tied: dict[str, str]) -> Stages | None:
-    """The stages of every target, tied alias, scale companion and packed tensor; None without pipeline stages.
+def stages_of(layout: Layout, targets, companions, tied: dict[str, str]) -> Stages | None:
+    """The stages of every target, tied alias and quantization companion; None without pipeline stages.
     `layout` is resolved (resolved_layout: pp_layers is the partition)."""
     if layout.pp == 1:
         return None
@@ -88,7 +88,7 @@ def stages_of(layout: Layout, targets, companions, packed, tied: dict[str, str])
 
     held = {t.name: place(t.name, t.rule.target) for t in targets}
     held.update({alias: place(alias, alias) for alias in tied})
-    for c in list(companions) + list(packed):
+    for c in companions:
         held[c.name] = held.get(c.weight, frozenset(range(layout.pp)))
     return Stages(layout, held)
 

@@ -32,6 +32,7 @@ from ..topology import Layout
 from .buckets import buckets_for, interleaved
 from .build import build_plan
 from .digest import inputs_digest
+from .quantization import UNQUANTIZED
 from .shard import Piece, view2d
 from .types import Bucket, Delivery, LoadPlan, ParamSpec, Source, is_broadcast, shares_of
 
@@ -163,20 +164,21 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
-def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int) -> LoadPlan:
-    """Re-cut the saved shards for `layout` (see the module docstring)."""
+def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int, quantization=UNQUANTIZED) -> LoadPlan:
+    """Re-cut the saved shards for `layout` (see the module docstring). quantization: of the saved checkpoint's
+    config.json (quant.for_load), which the original's plan is made with."""
     if "checkpoint_tensors" not in manifest:
         raise CheckpointError("the manifest does not list the original checkpoint tensors; re-save with this distload")
     index = _checkpoint_index(manifest)
     config = manifest["hf_config"]
-    old = build_plan(index, config, rules, saved_layout(manifest), strict=False)
+    old = build_plan(index, config, rules, saved_layout(manifest), strict=False, quantization=quantization)
     if any(old.post):
         kinds = sorted({step.op for steps in old.post for step in steps})
         raise PlanError(f"--reshard: the save holds params made by post-load steps ({', '.join(kinds)}"
                         + (f"; {old.quantization}" if old.quantization else "") + "); re-cutting them is not "
                         "supported: reload it on its own topology, or load the original checkpoint")
     _check_reproduces(old, manifest, rules)
-    new = build_plan(index, config, rules, layout, strict=False)
+    new = build_plan(index, config, rules, layout, strict=False, quantization=quantization)
     old_world = manifest["world_size"]
 
     by_source: dict[tuple[int, str], list[Delivery]] = {}

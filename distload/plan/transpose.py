@@ -14,10 +14,9 @@ from dataclasses import replace
 
 from ..errors import PlanError
 from .parts import oriented_shape, vector_experts
-from ..quant.fp8_steps import Step
 from .ranks import RankSpecs, RankValues, per_group
 from .shard import LocalLayout, transpose_layout, view2d
-from .types import ParamSpec
+from .types import ParamSpec, Step
 
 
 def swapped(shape: tuple[int, ...]) -> tuple[int, ...]:

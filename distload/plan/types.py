@@ -51,6 +51,16 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Step:
+    """One post-load rewrite on one rank, run once every input has fully arrived (postprocess.py runs the op by
+    its name: quant/'s ops, and plan/transpose.py's). Inputs that are not final params are released after it;
+    outputs replace the params of the same name. Ops that need more say so in a subclass (quant/steps.py)."""
+    op: str
+    inputs: tuple[str, ...]            # staging params read (a weight first)
+    outputs: tuple[str, ...]           # final params written (a weight first)
+
+
+@dataclass(frozen=True)
 class Delivery:
     """One rank's piece of a source (a Share seen from one member)."""
     rank: int
@@ -205,7 +215,7 @@ class LoadPlan:
     # Quantized loads (quant/): `specs` are the final params (what the caller gets and reconcile
     # checks); where post-load steps change them, `staging` holds what the transfer writes, per rank.
     staging: tuple[dict[str, ParamSpec], ...] = ()
-    post: tuple[tuple, ...] = ()                 # per rank, quant_steps.Step s run after their inputs arrive
+    post: tuple[tuple, ...] = ()                 # per rank, the Steps run after their inputs arrive
     quantization: str | None = None              # e.g. 'fp8-block 128x128 (config.json ...)'; None: none
     digest: str = field(default="", compare=False)  # of the plan's inputs (digest.py): what ranks agree on
     # The rank whose block's part this is (build_plan's rank mode): the job-wide buckets and sources, and its

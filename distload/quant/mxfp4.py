@@ -20,12 +20,23 @@ experts). vLLM asserts I % tp == 0; a split that leaves a rank without a block i
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from .. import kernels
 from ..errors import PlanError
-from .packed4 import PackedTensor, by_weight
-from .packed4_formats import MXFP4_BLOCK, Packed4
+from ..plan.expected_shapes import weight_dtype
+from ..plan.quantization import View
 from ..plan.shard import LocalLayout, Piece, valid_group_sizes
 from ..plan.types import ParamSpec
+from .companions import Companion, by_weight, with_suffix
+from .packed import PackedFormat, packed_op
+from .packed_table import IN, OUT, Cut
+from .packed_view import LOGICAL
 
+MXFP4_BLOCK = 32
+PARTS = ("_blocks", "_scales")   # how GPT-OSS stores a stacked expert tensor X in MXFP4
 PAD = 64   # vLLM's round_up of the per-rank intermediate size (mxfp4.py, the default backend)
 
 
@@ -46,7 +57,7 @@ def splits(inter: int, g: int) -> bool:
             and padded_size(inter, g) >= rank_range(inter, g, 0)[1])
 
 
-def _refusal(weight: str, inter: int, g: int, scheme: Packed4) -> PlanError:
+def _refusal(weight: str, inter: int, g: int, scheme) -> PlanError:
     n = inter // MXFP4_BLOCK
     if inter % MXFP4_BLOCK:
         why = f"{inter} is not a whole number of {MXFP4_BLOCK}-value blocks"
@@ -58,7 +69,7 @@ def _refusal(weight: str, inter: int, g: int, scheme: Packed4) -> PlanError:
         why = (f"{n} blocks of {MXFP4_BLOCK}, ceil({n} / {g}) = {per} a rank (vLLM's split), leave rank(s) "
                f"{empty} of each expert group without a block")
     valid = valid_group_sizes(lambda q: splits(inter, q), upto=16)
-    return PlanError(f"{weight} ({scheme.describe()}): intermediate_size {inter} cut by {g} ranks per expert "
+    return PlanError(f"{weight} ({scheme.label()}): intermediate_size {inter} cut by {g} ranks per expert "
                      f"(tp / ep): {why}; MXFP4 experts are cut in whole blocks (try {', '.join(map(str, valid))} "
                      f"ranks per expert group)")
 
@@ -78,8 +89,8 @@ def _stacked_cut(source: str, matrix: tuple[int, int], experts, lo: int, hi: int
     return (n, rows, size), LocalLayout(n * rows, size, pieces, padding)
 
 
-def packed_layouts(planned: dict, packed: tuple[PackedTensor, ...], targets: dict, index: dict,
-                   scheme: Packed4, dequantize: bool = False) -> dict:
+def packed_layouts(planned: dict, packed: tuple[Companion, ...], targets: dict, index: dict, scheme,
+                   dequantize: bool = False) -> dict:
     """Replace each MXFP4 weight's logical (specs, layouts) in `planned` by its blocks' and scales' (and w13's
     bias by its padded cut); return the padded logical ones (what --dequantize produces). With dequantize the
     blocks and scales are staged unpadded (a post-load step never reads a padded param): it pads its output."""
@@ -128,3 +139,72 @@ def _bias(specs, source: str, ranges, rows: int, size: int):
                                    lay.padding, experts=spec.experts))
         out_lays.append(lay)
     return out_specs, out_lays
+
+
+def _logical_view(scheme, targets, tensors: dict) -> View:
+    """A stacked expert target whose source X is stored as X_blocks [E, out, in/32, 16] and X_scales [E, out, in/32]
+    (not transposed, unlike the BF16 X) plans a logical weight [E, out, in] (0 bytes), and the blocks are read as
+    their [E, out, in/2] view (the same bytes): both then run along out and in like the weight."""
+    index, out_targets, packed = dict(tensors), [], []
+    cuts = scheme.cuts(0)
+    dtype = weight_dtype([t for t in targets if all(s in tensors for s in t.sources)], tensors) or "BF16"
+    for t in targets:
+        src = t.sources[0]
+        blocks, scales = (src + suffix for suffix in PARTS)
+        if not (t.rule.style == "expert" and t.rule.stacked and len(t.sources) == 1 and blocks in tensors):
+            out_targets.append(t)
+            continue
+        if scales not in tensors:
+            raise PlanError(f"{t.name} ({scheme.label()}): the checkpoint has {blocks} but lacks {scales}; "
+                            f"every MXFP4 tensor has its E8M0 scales: the checkpoint is incomplete")
+        b, s = tensors[blocks], tensors[scales]
+        # [E, out, in/2] too: the same bytes as vLLM's w13_weight, which a sharded save records
+        view = tuple(b.shape[:2]) + (math.prod(b.shape[2:]),) if len(b.shape) in (3, 4) else (0, 0, 1)
+        if ((b.dtype, s.dtype) != ("U8", "U8") or (len(b.shape) == 4 and b.shape[3] != 16) or view[2] % 16
+                or tuple(s.shape) != view[:2] + (view[2] // 16,)):
+            raise PlanError(f"{blocks} {b.dtype} {list(b.shape)}, {scales} {s.dtype} {list(s.shape)}: MXFP4 stores "
+                            f"X_blocks uint8 [experts, out, in/32, 16] and X_scales uint8 [experts, out, in/32] "
+                            f"({scheme.label()}); the checkpoint does not match its config")
+        experts, rows, half = view
+        logical_name = LOGICAL.format(src)
+        logical = replace(t, sources=(logical_name,), rule=replace(t.rule, transposed=False))
+        index[logical_name] = replace(b, name=logical_name, dtype=dtype, shape=(experts, rows, half * 2), nbytes=0)
+        index[blocks] = replace(b, shape=view)
+        out_targets.append(logical)
+        packed += [Companion(t.name, t.name, "weight", ((logical_name, blocks),), cuts["weight"]),
+                   Companion(with_suffix(t.name, "weight_scale"), t.name, "weight_scale", ((logical_name, scales),),
+                             cuts["weight_scale"])]
+    return View(out_targets, index, tuple(packed))
+
+
+def _matrix(step, t: dict, dtype):
+    blocks = t["weight"]   # vLLM's w13_weight [rows, in/2] is the blocks [rows, in/32, 16] flattened
+    return kernels.dequantize_mxfp4(blocks.reshape(blocks.shape[0], -1, 16), t["weight_scale"], dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Mxfp4(PackedFormat):
+    """GPT-OSS MXFP4 experts (see the module docstring)."""
+    name: ClassVar[str] = "mxfp4"
+    declared_by: ClassVar[str] = "mxfp4 (quant_method mxfp4: GPT-OSS experts)"
+    unit_name: ClassVar[str] = "block"
+    dequantize_op: ClassVar[str] = "dequantize_mxfp4"
+    OPS: ClassVar[dict] = {"dequantize_mxfp4": packed_op(_matrix)}
+
+    @staticmethod
+    def declares(qc: dict) -> bool:
+        return qc.get("quant_method") == "mxfp4"
+
+    @classmethod
+    def from_config(cls, qc: dict, where: str) -> "Mxfp4":
+        return cls(where, group=MXFP4_BLOCK)
+
+    def cuts(self, in_features: int) -> dict[str, Cut]:
+        # vLLM's names: X_blocks -> w13_weight, X_scales -> w13_weight_scale
+        return {"weight": Cut((OUT, 1), (IN, 2), ("U8",)), "weight_scale": Cut((OUT, 1), (IN, MXFP4_BLOCK), ("U8",))}
+
+    def view(self, targets, tensors: dict, rules, config: dict) -> View:
+        return _logical_view(self, targets, tensors)
+
+    def cut(self, view: View, planned: dict, targets: dict, layout, relayout) -> dict:
+        return packed_layouts(planned, view.companions, targets, view.index, self, self.dequantize)

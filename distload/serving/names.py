@@ -17,7 +17,7 @@ from importlib import metadata, resources
 
 from ..errors import RuleError
 
-PROFILE_KEYS = {"name", "from", "below", "rename", "alias", "sharded_state"}
+PROFILE_KEYS = {"name", "from", "below", "rename", "alias", "sharded_state", "unfilled"}
 SHARDED_STATE_KEYS = {"architectures", "aliased", "buffers"}
 DRAFT_KEYS = {"architectures", "rename"}
 FIRST_LAYER = "{first}"   # in a [draft] rename: the first MTP layer's index (config.json num_hidden_layers)
@@ -55,6 +55,12 @@ class NamingProfile:
     alias: tuple[tuple[str, str], ...] = ()      # (engine suffix, suffix of the engine param it duplicates)
     sharded_state: ShardedStateNames = ShardedStateNames()
     draft: DraftNames = DraftNames()
+    unfilled: tuple[str, ...] = ()               # engine param suffixes no checkpoint tensor fills: left as made
+
+    def leaves(self, engine_name: str) -> bool:
+        """Is this an engine param the engine's own loader leaves as it made it when the checkpoint has no tensor
+        for it (vLLM's kv-cache quantization scales of a quantized model), so a plugin does not fill it either?"""
+        return engine_name.endswith(self.unfilled) if self.unfilled else False
 
     def distload_name(self, engine_name: str) -> str:
         """distload's name for an engine param (itself when no rename applies)."""
@@ -138,7 +144,7 @@ def profile_for(engine: str, version: str, path=None) -> NamingProfile:
     for table in data.get("profile", []):
         unknown = set(table) - PROFILE_KEYS
         if unknown or not {"name", "from", "below"} <= set(table):
-            raise RuleError(f"{path}: each [[profile]] has name, from, below and optionally rename, alias; "
+            raise RuleError(f"{path}: each [[profile]] has name, from, below and optionally rename, alias, unfilled; "
                             f"got {sorted(table)}")
         if version_tuple(table["from"]) <= wanted < version_tuple(table["below"]):
             return NamingProfile(name=table["name"], source=str(path),
@@ -146,6 +152,7 @@ def profile_for(engine: str, version: str, path=None) -> NamingProfile:
                                  alias=tuple((suffix, target) for suffix, targets in table.get("alias", {}).items()
                                              for target in ([targets] if isinstance(targets, str) else targets)),
                                  sharded_state=_sharded_state(table.get("sharded_state", {}), path),
+                                 unfilled=tuple(table.get("unfilled", ())),
                                  draft=_draft(data.get("draft", {}), path))
     known = ", ".join(f"{t.get('name')} [{t.get('from')}, {t.get('below')})" for t in data.get("profile", []))
     raise RuleError(f"{engine} {version}: distload does not know this version's param names (profiles: {known}); "

@@ -24,6 +24,7 @@ from ..checkpoint.discover import resolve_inside
 from ..errors import CheckpointError, PlanError
 from ..plan import DEFAULT_STAGING_BYTES, expert_hosts
 from ..plan.reshard import describe_topology, reshard_plan, same_topology_plan, saved_layout
+from ..quant import for_load
 from ..rules import rules_for
 from ..sources import Origin
 from ..transfer.agreement import run_phase
@@ -62,7 +63,8 @@ class ShardedSource:
         self.resharded = True
         if not self.options.reshard:
             raise topology_refusal(str(self.root), manifest, layout)
-        return reshard_plan(manifest, rules_for(manifest["hf_config"], self.options.config), layout, staging)
+        return reshard_plan(manifest, rules_for(manifest["hf_config"], self.options.config), layout, staging,
+                            for_load(manifest["hf_config"]))
 
     def before_transfer(self, manifest: dict, plan, rank: int, clock) -> dict:
         run_phase("verify headers", lambda: check_headers(self.root, plan, rank, manifest))

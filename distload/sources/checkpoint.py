@@ -10,6 +10,7 @@ from ..checkpoint.early_fetch import start_early_fetch
 from ..checkpoint.integrity import checksum_verdict, hash_while_reading, listing_problems
 from ..checkpoint.legacy import is_legacy_file
 from ..plan import DEFAULT_STAGING_BYTES, build_plan
+from ..quant import for_load
 from ..rules import rules_for
 from ..rules.mtp import report_fields
 from ..transfer.agreement import verdict_everywhere
@@ -47,7 +48,7 @@ class CheckpointSource:
         return build_plan(found.tensors, found.config, rules_for(found.config, options.config, options.mtp),
                           layout,
                           strict=options.strict, staging_bytes=options.staging_bytes or DEFAULT_STAGING_BYTES,
-                          quantize=options.quantize, dequantize=options.dequantize, rank=rank)
+                          quantization=for_load(found.config, options.quantize, options.dequantize), rank=rank)
 
     def before_transfer(self, found, plan, rank: int, clock) -> dict:
         if not self.options.verify_checksums:

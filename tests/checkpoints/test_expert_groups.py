@@ -19,6 +19,7 @@ from checks import differences, tensor_bytes
 from distload.checkpoint import discover
 from distload.dtypes import itemsize
 from distload.plan import build_plan
+from distload.quant import for_load
 from distload.plan.experts import expert_placement
 from distload.plan.source_shares import SourceShares, share_takers
 from distload.rules import rules_for
@@ -81,7 +82,8 @@ def test_expert_groups_hold_what_the_oracle_slices(ckpts, name):
 
 def _plan(path: str, layout: Layout, **options):
     index = discover(path)
-    return build_plan(dict(index.tensors), dict(index.config), rules_for(index.config), layout, **options)
+    return build_plan(dict(index.tensors), dict(index.config), rules_for(index.config), layout,
+                      quantization=for_load(index.config), **options)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_stacked", "gpt_oss", "deepseek_v3_fp8"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from distload.plan import build_plan
+from distload.quant import for_load
 from distload.plan.wire import wire_ops
 from distload.rules import rules_for
 from distload.topology import Layout
@@ -103,16 +104,17 @@ def test_one_node_plans_the_whole_job_whatever_the_rank():
                          ids=["expert-group-per-node", "expert-group-over-two-nodes"])
 def test_block_fp8_experts_and_their_scales(tmp_path, layout):
     """A block-FP8 MoE checkpoint (real files): expert weights and their scales (made per source from the
-    weight's layouts, quant_layouts.py) left out of other blocks' plans alike, and each rank's part as the job's."""
+    weight's layouts, quant/block_grid.py) left out of other blocks' plans alike, and each rank's part as the job's."""
     from distload.checkpoint import discover
     from fp8_checkpoints import quantized_checkpoint
     from hf_models import save_checkpoint
 
     index = discover(quantized_checkpoint(save_checkpoint("mixtral", tmp_path / "bf16"), tmp_path / "fp8", "block"))
     rules = rules_for(index.config)
-    whole = build_plan(index.tensors, index.config, rules, layout)
+    q = for_load(index.config)
+    whole = build_plan(index.tensors, index.config, rules, layout, quantization=q)
     for rank in range(layout.world):
-        mine = build_plan(index.tensors, index.config, rules, layout, rank=rank)
+        mine = build_plan(index.tensors, index.config, rules, layout, quantization=q, rank=rank)
         assert what_rank_does(mine, rank, False) == what_rank_does(whole, rank, False), rank
         assert dict(mine.specs[rank]) == dict(whole.specs[rank]) and mine.post[rank] == whole.post[rank]
         left_out = set(whole.sources) - set(mine.sources)

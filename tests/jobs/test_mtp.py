@@ -21,6 +21,7 @@ import distload
 from distload.checkpoint import discover
 from distload.errors import PlanError
 from distload.plan import build_plan
+from distload.quant import for_load
 from distload.report import summary_line
 from distload.rules import rules_for
 from distload.topology import Layout
@@ -51,7 +52,8 @@ def glm_ckpt(tmp_path_factory):
 def plan_for(path: str, mode: str, world: int, tp: int | None = None, ep: int = 1, pp: int = 1):
     index = discover(path)
     rules = rules_for(index.config, mtp_mode=mode)
-    return build_plan(dict(index.tensors), dict(index.config), rules, Layout(world=world, tp=tp or world, ep=ep, pp=pp))
+    return build_plan(dict(index.tensors), dict(index.config), rules, Layout(world=world, tp=tp or world, ep=ep, pp=pp),
+                      quantization=for_load(index.config))
 
 
 def oracle(hf: dict, config: dict, mode: str, rank: int, tp: int, ep: int) -> dict:

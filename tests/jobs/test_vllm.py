@@ -126,6 +126,28 @@ def test_dense_tp2_state_and_tokens(family, checkpoints, tmp_path):
 
 
 @needs_vllm
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_channel_quantized_llama_tp2_state_and_tokens(kind, checkpoints, tmp_path):
+    """Per-channel FP8 (compressed-tensors strategy channel, FP8-dynamic) and INT8 W8A8 Llama, made by
+    tests/support/channel_checkpoints.py: every param vLLM holds, before and after its post-load processing (its
+    CPU kernels: ChannelWiseTorchFP8ScaledMM, CPUInt8ScaledMM), is bitwise its default loader's, and the greedy
+    tokens are. vLLM 0.32's CPU build builds no FP8 fused MoE ('Unsupported FP8 MoE backend: NONE', with either
+    loader): the MoE cut is checked against the oracle in tests/checkpoints/test_channel_quant.py."""
+    import channel_checkpoints as cc
+
+    ckpt = cc.channel_checkpoint(checkpoints("llama"), tmp_path / f"llama-{kind}", kind)
+    ours, theirs = run_vllm(ckpt, "distload", tmp_path), run_vllm(ckpt, "safetensors", tmp_path)
+    assert_same_state(ours, theirs)
+    assert len(theirs["tokens"]) == STEPS and ours["tokens"] == theirs["tokens"]
+    assert_read_once(ours)
+    assert ours["report"]["quantization"].startswith(f"{kind}-channel")
+    loaded = ours["ranks"][0]["loaded"]
+    assert loaded["model.layers.0.self_attn.qkv_proj.weight_scale"].startswith("torch.float32 [")   # [rows, 1]
+    hidden = SIZES["hidden_size"]   # o_proj is row-parallel: its scale is whole on every rank
+    assert loaded["model.layers.0.self_attn.o_proj.weight_scale"].startswith(f"torch.float32 [{hidden}, 1]")
+
+
+@needs_vllm
 @pytest.mark.parametrize("family,ep", [("mixtral", False), ("mixtral", True), ("qwen3_moe", False), ("qwen2_moe", False),
                                        ("deepseek_v3", False), ("gpt_oss", False)])
 def test_moe_tp2_state(family, ep, checkpoints, tmp_path):
@@ -192,6 +214,15 @@ def test_a_vllm_param_no_rule_fills_is_refused_by_name_before_any_read(checkpoin
     with pytest.raises(PlanError, match=rf"{down}: vLLM \[64, 64\], distload's shard"):
         check_destinations({**into, down: torch.empty(64, 64, dtype=torch.bfloat16)}, specs, plan.family, None, "vllm")
     check_destinations(into, specs, plan.family, None, "vllm")
+
+
+def test_a_quantized_models_kv_cache_scales_are_left_as_vllm_made_them():
+    """vLLM makes q/k/v scales (and zero points) beside each attention of a quantized model; a checkpoint without
+    kv-cache scales leaves them unfilled, so the plugin leaves them too (configs/serving/vllm.toml `unfilled`)."""
+    profile = profile_for("vllm", "0.32.0+cpu")
+    assert profile.leaves("model.layers.3.self_attn.attn.k_scale")
+    assert profile.leaves("model.layers.3.self_attn.attn.v_zero_point")
+    assert not profile.leaves("model.layers.3.self_attn.o_proj.weight_scale")
 
 
 def test_unknown_vllm_version_is_refused_by_name():

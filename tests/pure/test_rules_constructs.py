@@ -16,6 +16,7 @@ from distload.postprocess import OPS
 from distload.rules import flag_holds, parse_rules, shipped_families
 from distload.rules_check import explain
 from distload.topology import Layout
+from distload.quant import for_load
 from checks import write
 from hf_metadata import one_file_entries
 from plan_checks import arange_values, staged_shards
@@ -223,7 +224,8 @@ def test_a_permuted_param_is_not_quantized_while_loading(tmp_path):
         """)
     with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: a param the rules permute or "
                                         r"transform cannot also be quantized"):
-        build_plan(llama_entries(), LLAMA_CONFIG, rules, Layout(world=1, tp=1), quantize="fp8")
+        build_plan(llama_entries(), LLAMA_CONFIG, rules, Layout(world=1, tp=1),
+                   quantization=for_load(LLAMA_CONFIG, quantize="fp8"))
 
 
 def test_the_rotary_op_on_a_bias_and_on_all_rows():

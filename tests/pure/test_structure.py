@@ -9,8 +9,8 @@ from __future__ import annotations
 import ast
 import tomllib
 
-from source_tree import (ROOT, SUPPORT, TEST_KINDS, import_cycles, import_edges, modules, package_modules, package_roots,
-                         parsed, private_uses, test_modules, where)
+from source_tree import (FACE_MODULES, ROOT, SUPPORT, TEST_KINDS, folder_cycles, import_cycles, import_edges, modules,
+                         package_modules, package_roots, parsed, private_uses, test_modules, where)
 
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
@@ -19,6 +19,86 @@ MAX_FUNCTION_LINES = 80
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, "import cycles (function-local imports included):\n" + "\n".join(cycles)
+
+
+def test_no_folder_level_import_loops():
+    """The wings (distload/<folder>/), the root's pipeline modules (one node) and each of its BASE modules (the job's
+    inputs) import each other without a loop, function-local imports included: a wing that imports what imports it
+    is one concern spread over two folders (plan/ must be handed quantization, never import quant/)."""
+    cycles = folder_cycles()
+    assert not cycles, "folder-level import loops:\n" + "\n".join(cycles)
+
+
+def test_nothing_below_the_faces_imports_them():
+    """The API and the command line (source_tree.FACE_MODULES) sit on top: a module under them that imports one
+    would loop through them unseen by the folder graph."""
+    names = package_modules()
+    uses = [f"{where(path, node)}: {name} imports {target}" for name, path in names.items() if name not in FACE_MODULES
+            for target, node in import_edges(name) if target in FACE_MODULES]
+    assert not uses, "modules importing the API or the command line:\n" + "\n".join(uses)
+
+
+# quant_method values (and compressed-tensors' format names) that only the quantization wing may compare.
+QUANT_METHODS = ("fp8", "gptq", "awq", "modelopt", "bitsandbytes", "mxfp4", "compressed-tensors", "pack-quantized")
+QUANT_WING = ROOT / "distload" / "quant"
+
+
+def _registry_names() -> set[str]:
+    """Every format's registry name: the `name: ClassVar[str] = "..."` of the format classes in quant/ (read from
+    the source, as the other rules are)."""
+    found = set()
+    for path in QUANT_WING.glob("*.py"):
+        for node in ast.walk(parsed(path)):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "name"
+                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                    and node.value.value):
+                found.add(node.value.value)
+    return found
+
+
+def _named_formats(node: ast.AST, formats: set[str]) -> list[str]:
+    """The format names a comparison operand spells: a string, or strings in a tuple, list or set display."""
+    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and i.value in formats]
+
+
+def _format_comparisons(tree: ast.AST, formats: set[str]) -> list[tuple[ast.AST, list[str]]]:
+    """(node, names) of every ==, !=, in, not in or case pattern in `tree` that spells a format name."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn)
+                                                 for op in node.ops):
+            named = [n for operand in (node.left, *node.comparators) for n in _named_formats(operand, formats)]
+        elif isinstance(node, ast.MatchValue):
+            named = _named_formats(node.value, formats)
+        else:
+            continue
+        if named:
+            out.append((node, named))
+    return out
+
+
+BRANCHING = """
+if method == "gptq" or "awq" != kind or name in ("fp8", "fp8-block"):
+    match fmt:
+        case "mxfp4":
+            pass
+"""
+
+
+def test_no_format_name_compared_outside_the_quantization_wing():
+    """Picking a format by its name (`method == "gptq"`, `name in ("fp8", ...)`, `case "awq":`) belongs to the format's
+    own module: anywhere else it is the branching a registry replaces (quant/__init__.py)."""
+    formats = _registry_names() | set(QUANT_METHODS)
+    assert {"fp8", "fp8-block", "gptq", "mxfp4"} <= formats, sorted(formats)   # the names are found at all
+    assert [names for _, names in _format_comparisons(ast.parse(BRANCHING), formats)] == \
+        [["gptq"], ["awq"], ["fp8", "fp8-block"], ["mxfp4"]]                     # and every kind of comparison
+    kernels = package_roots()["distload.kernels"]
+    found = [f"{where(path, node)}: compares {', '.join(map(repr, named))}"
+             for path in package_modules().values() if QUANT_WING not in path.parents and kernels not in path.parents
+             for node, named in _format_comparisons(parsed(path), formats)]
+    assert not found, ("format names compared outside distload/quant/ (ask the format object instead):\n"
+                       + "\n".join(found))
 
 
 def test_no_private_names_across_modules():

@@ -12,6 +12,7 @@ import distload
 from distload.checkpoint import discover
 from distload.errors import PlanError
 from distload.plan import build_plan
+from distload.quant import for_load
 from distload.rules import rules_for
 from distload.topology import Layout
 from checks import differences, tensor_bytes
@@ -37,7 +38,7 @@ def ckpts(tmp_path_factory):
 def plan_for(path: str, world: int, ep: int = 1, **kw):
     index = discover(path)
     return build_plan(dict(index.tensors), dict(index.config), rules_for(index.config),
-                      Layout(world=world, tp=world, ep=ep), **kw)
+                      Layout(world=world, tp=world, ep=ep), quantization=for_load(index.config, **kw))
 
 
 @pytest.mark.parametrize("world,ep", [(1, 1), (2, 2), (4, 2), (4, 4)])

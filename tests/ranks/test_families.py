@@ -9,6 +9,7 @@ import pytest
 
 from distload.checkpoint import discover
 from distload.plan import build_plan
+from distload.quant import for_load
 from distload.rules import rules_for
 from distload.topology import Layout
 from checks import differences, tensor_bytes
@@ -120,7 +121,7 @@ def test_gpt2_conv1d_weights_are_staged_as_stored_and_transposed_after_landing(c
     with pytest.raises(PlanError, match=r"c_fc.weight has 256 rows but config.json says hidden = 64.*looks transposed"):
         build_plan({**entries, name: replace(e, shape=(256, 64))}, config, rules_for(config), Layout(world=2, tp=2))
     with pytest.raises(PlanError, match="a transposed param cannot also be quantized"):
-        build_plan(entries, config, rules_for(config), Layout(world=2, tp=2), quantize="fp8")
+        build_plan(entries, config, rules_for(config), Layout(world=2, tp=2), quantization=for_load(config, "fp8"))
     # A save of it cannot be re-cut (its params were made by the transpose step): the refusal names the step.
     from distload.plan.reshard import reshard_plan
 

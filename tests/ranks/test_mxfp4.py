@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import quant4_checkpoints as q4
-from distload.quant import ops_4bit as postprocess_4bit
+from distload.quant import OPS
 from distload.checkpoint import discover
 from distload.errors import PlanError
 from distload.plan import build_plan
+from distload.quant import for_load
 from distload.rules import rules_for
 from distload.topology import Layout
 from checks import differences, tensor_bytes
@@ -92,7 +93,7 @@ def expected(packed: dict, reference: dict, config: dict, rank: int, world: int,
 def _plan(path: str, world: int, ep: int = 1, **options):
     index = discover(path)
     return build_plan(index.tensors, index.config, rules_for(index.config), Layout(world=world, tp=world, ep=ep),
-                      **options)
+                      quantization=for_load(index.config, **options))
 
 
 def test_specs_follow_vllm_padded_uneven_split(ckpt):
@@ -137,7 +138,7 @@ def test_every_rank_exact_and_dequantized(ckpt, tensors, world, ep):
         out = dict(staged)
         for step in deq.post[rank]:
             finals = [deq.specs[rank][n] for n in step.outputs]
-            (out[step.outputs[0]],) = postprocess_4bit.dequantize4(step, finals, *(staged[n] for n in step.inputs))
+            (out[step.outputs[0]],) = OPS[step.op](step, finals, *(staged[n] for n in step.inputs))
         out = {n: out[n] for n in deq.specs[rank]}
         want = expected(packed, reference, config, rank, world, ep, dequantize=True)
         problems = differences(out, want, f"--dequantize ep {ep} rank {rank}")

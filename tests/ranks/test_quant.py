@@ -27,7 +27,7 @@ from distload.kernels import (
     dequantize_fp8_block_reference,
 )
 from distload.plan import build_plan
-from distload.quant.fp8 import checkpoint_scheme
+from distload.quant import checkpoint_format, for_load
 from distload.plan.shard import view2d
 from distload.rules import rules_for
 from distload.topology import Layout
@@ -107,7 +107,7 @@ def _meta(name: str):
 
 def _plan(name: str, tp=TP, **options):
     entries, config = _meta(name)
-    return build_plan(entries, config, rules_for(config), Layout(world=tp, tp=tp), **options)
+    return build_plan(entries, config, rules_for(config), Layout(world=tp, tp=tp), quantization=for_load(config, **options))
 
 
 @pytest.mark.parametrize("name", sorted(METADATA))
@@ -117,7 +117,7 @@ def test_metadata_is_what_the_fixture_writes(checkpoints, name):
     index = discover(str(checkpoints[name]))
     assert ({n: (e.file, e.dtype, tuple(e.shape)) for n, e in index.tensors.items()}
             == {n: (e.file, e.dtype, e.shape) for n, e in entries.items()})
-    assert checkpoint_scheme(config) == checkpoint_scheme(index.config)
+    assert checkpoint_format(config) == checkpoint_format(index.config)
     rules = rules_for(index.config)
     assert {d: rules.dim(config, d) for d in rules.dims} == {d: rules.dim(index.config, d) for d in rules.dims}
 
@@ -160,24 +160,24 @@ def test_scheme_from_config():
     ct = {"quant_method": "compressed-tensors", "config_groups": {"g": {
         "weights": {"type": "float", "num_bits": 8, "strategy": "tensor"},
         "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}}}}
-    s = checkpoint_scheme({"quantization_config": ct})
-    assert (s.name, s.weight_scale, s.static_input) == ("fp8", "weight_scale", False)
-    s = checkpoint_scheme({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
-    assert (s.name, s.weight_scale, s.block) == ("fp8-block", "weight_scale_inv", (128, 128))
-    assert checkpoint_scheme({}) is None
-    with pytest.raises(PlanError, match="quant_method hqq"):
-        checkpoint_scheme({"quantization_config": {"quant_method": "hqq"}})
-    assert checkpoint_scheme({"quantization_config": {"quant_method": "gptq"}}) is None  # quant/packed4.py's
-    ct["config_groups"]["g"]["weights"]["strategy"] = "channel"
-    with pytest.raises(PlanError, match="strategy 'channel'"):
-        checkpoint_scheme({"quantization_config": ct})
+    s = checkpoint_format({"quantization_config": ct})
+    assert (s.name, s.scale_suffix, s.static_input) == ("fp8", "weight_scale", False)
+    s = checkpoint_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    assert (s.name, s.scale_suffix, s.block) == ("fp8-block", "weight_scale_inv", (128, 128))
+    assert checkpoint_format({}) is None
+    with pytest.raises(PlanError, match=r"quant_method hqq\): not supported; distload loads fp8 \(quant_method fp8"):
+        checkpoint_format({"quantization_config": {"quant_method": "hqq"}})
+    assert checkpoint_format({"quantization_config": {"quant_method": "gptq"}}).name == "gptq"  # gptq.py's
+    ct["config_groups"]["g"]["weights"]["strategy"] = "group"
+    with pytest.raises(PlanError, match="strategy 'group'"):
+        checkpoint_format({"quantization_config": ct})
 
 
 def test_missing_scale_of_one_part_is_named():
     tensors, config = _meta("llama-block")
     del tensors["model.layers.1.self_attn.k_proj.weight_scale_inv"]
     with pytest.raises(PlanError, match=r"but not 'model\.layers\.1\.self_attn\.k_proj\.weight_scale_inv'"):
-        build_plan(tensors, config, rules_for(config), Layout(world=2, tp=2))
+        build_plan(tensors, config, rules_for(config), Layout(world=2, tp=2), quantization=for_load(config))
 
 
 # Experts: toy rules and entries (the plan reads only metadata), values made up per element.
@@ -226,7 +226,7 @@ def test_expert_block_scales_follow_their_experts(tmp_path, layout):
     entries = _moe_entries("block")
     values = {n: torch.arange(math.prod(e.shape), dtype=torch.float64).reshape(e.shape) + i * 10_000
               for i, (n, e) in enumerate(entries.items())}
-    plan = build_plan(entries, config, rules, layout)
+    plan = build_plan(entries, config, rules, layout, quantization=for_load(config))
     g = layout.expert_group_size
     for rank in range(layout.world):
         t = layout.rank_in_expert_group(rank)
@@ -245,13 +245,13 @@ def test_expert_block_scales_follow_their_experts(tmp_path, layout):
     # 96 rows of w1 in 16-row blocks: 2 or 3 ranks per expert group fit, 4 cut a block (96 / 4 = 24).
     with pytest.raises(PlanError, match=r"w13_weight \(rule expert, block FP8 \[16, 16\].*try ranks per expert "
                                         r"group \(world/ep\) 1, 2, 3, 6"):
-        build_plan(entries, config, rules, Layout(world=4, tp=4))
+        build_plan(entries, config, rules, Layout(world=4, tp=4), quantization=for_load(config))
 
 
 def test_expert_per_tensor_scales_fold_per_expert(tmp_path):
     rules = toy_rules(tmp_path, TOY_MOE_RULES)
     config = {"num_hidden_layers": 1, "num_local_experts": E, "quantization_config": {"quant_method": "fp8"}}
-    plan = build_plan(_moe_entries("tensor"), config, rules, Layout(world=4, tp=4, ep=2))
+    plan = build_plan(_moe_entries("tensor"), config, rules, Layout(world=4, tp=4, ep=2), quantization=for_load(config))
     for rank in range(4):
         staged = plan.staging_specs(rank)["model.layers.0.experts.w13_weight_scale"]
         final = plan.specs[rank]["model.layers.0.experts.w13_weight_scale"]
@@ -265,9 +265,10 @@ def test_block_steps_in_bands_equal_whole_matrices(monkeypatch):
     """postprocess runs block kernels on bands of whole block rows (bounded fp32 temporaries): same bits."""
     from distload import postprocess
     from distload.kernels import dequantize_fp8_block, quantize_fp8_block
-    from distload.quant.fp8_steps import Step
+    from distload.quant import fp8_block
+    from distload.quant.steps import ScaleStep as Step
 
-    monkeypatch.setattr(postprocess, "BAND_ELEMS", 40 * 16)  # bands of 32 rows of a [*, 40] matrix
+    monkeypatch.setattr(fp8_block, "BAND_ELEMS", 40 * 16)  # bands of 32 rows of a [*, 40] matrix
     torch.manual_seed(0)
     for shape in ((100, 40), (3, 70, 40)):  # partial edge blocks; experts
         w = torch.randn(shape) * torch.linspace(0.1, 10, shape[-2]).unsqueeze(-1)

@@ -18,6 +18,7 @@ import quant4_checkpoints as q4
 from distload.checkpoint import discover
 from distload.errors import PlanError
 from distload.plan import build_plan
+from distload.quant import for_load
 from distload.rules import rules_for
 from distload.topology import Layout
 from layout_oracle import serving_shards
@@ -50,7 +51,8 @@ def checkpoints(tmp_path_factory):
 
 def _plan(path, tp=2, **options):
     index = discover(str(path))
-    return build_plan(index.tensors, index.config, rules_for(index.config), Layout(world=tp, tp=tp), **options)
+    return build_plan(index.tensors, index.config, rules_for(index.config), Layout(world=tp, tp=tp),
+                      quantization=for_load(index.config, **options))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -153,10 +155,10 @@ def test_an_odd_pack_is_refused(checkpoints, tmp_path):
 
 
 def test_scheme_errors_name_the_config_key():
-    from distload.quant.packed4_formats import checkpoint_scheme
+    from distload.quant import checkpoint_format as checkpoint_scheme
 
     assert checkpoint_scheme({}) is None
-    assert checkpoint_scheme({"quantization_config": {"quant_method": "fp8"}}) is None
+    assert checkpoint_scheme({"quantization_config": {"quant_method": "fp8"}}).name == "fp8"
     with pytest.raises(PlanError, match="bits 8"):
         checkpoint_scheme({"quantization_config": {"quant_method": "gptq", "bits": 8}})
     with pytest.raises(PlanError, match="gptq_v2"):
@@ -257,7 +259,7 @@ def _assemble(plan, ckpt: dict, rank: int) -> dict:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_rank_cut_exact_at_tp_1_2_4(checkpoints, fmt):
     """The plan's pieces applied in-process: packed shards and their dequantization against the oracle."""
-    from distload.quant import ops_4bit as postprocess_4bit
+    from distload.quant import OPS
     from hf_models import checkpoint_tensors, read_config
 
     ckpt, config = checkpoint_tensors(checkpoints[fmt]), read_config(checkpoints[fmt])
@@ -272,14 +274,14 @@ def test_every_rank_cut_exact_at_tp_1_2_4(checkpoints, fmt):
             oracle = serving_shards(reference, config, rank, tp)
             for step in deq.post[rank]:
                 finals = [deq.specs[rank][n] for n in step.outputs]
-                (w,) = postprocess_4bit.dequantize4(step, finals, *(staged[n] for n in step.inputs))
+                (w,) = OPS[step.op](step, finals, *(staged[n] for n in step.inputs))
                 assert torch.equal(w, oracle[step.outputs[0]].to(torch.bfloat16)), (fmt, tp, rank, step.outputs)
 
 
 @pytest.mark.parametrize("fmt", MOE_FORMATS)
 def test_moe_experts_cut_exact_at_tp_and_ep(checkpoints, fmt):
     """Qwen3-MoE: w13_/w2_ packed tensors of each rank's local experts, TP-split inside, and dequantized."""
-    from distload.quant import ops_4bit as postprocess_4bit
+    from distload.quant import OPS
     from hf_models import checkpoint_tensors, read_config
 
     path = checkpoints[f"moe-{fmt}"]
@@ -288,8 +290,10 @@ def test_moe_experts_cut_exact_at_tp_and_ep(checkpoints, fmt):
     index = discover(str(path))
     for tp, ep in ((1, 1), (2, 1), (2, 2), (4, 2)):
         layout = Layout(world=tp, tp=tp, ep=ep)
-        plan = build_plan(index.tensors, index.config, rules_for(index.config), layout)
-        deq = build_plan(index.tensors, index.config, rules_for(index.config), layout, dequantize=True)
+        plan = build_plan(index.tensors, index.config, rules_for(index.config), layout,
+                          quantization=for_load(index.config))
+        deq = build_plan(index.tensors, index.config, rules_for(index.config), layout,
+                         quantization=for_load(index.config, dequantize=True))
         for rank in range(tp):
             got = _assemble(plan, ckpt, rank)
             want = _expected_packed(ckpt, config, fmt, rank, tp, ep)
@@ -300,7 +304,7 @@ def test_moe_experts_cut_exact_at_tp_and_ep(checkpoints, fmt):
             oracle = serving_shards(reference, config, rank, tp, ep)
             for step in deq.post[rank]:
                 finals = [deq.specs[rank][n] for n in step.outputs]
-                (w,) = postprocess_4bit.dequantize4(step, finals, *(staged[n] for n in step.inputs))
+                (w,) = OPS[step.op](step, finals, *(staged[n] for n in step.inputs))
                 assert torch.equal(w, oracle[step.outputs[0]].to(torch.bfloat16)), (fmt, tp, ep, rank, step.outputs)
 
 

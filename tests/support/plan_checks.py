@@ -153,28 +153,7 @@ def assert_each_byte_read_once(plan) -> None:
 def staged_shards(plan, rank: int, values: dict) -> dict:
     """Rank's params from the pure plan of a load with post-load steps: every staged element delivered exactly once
     (padding: never, and zero), then the plan's steps run (transposes; the rules' permutes and transforms)."""
-    import torch
-
-    from distload.dtypes import torch_dtype
-    from distload.plan.shard import view2d
-
-    staging = plan.staging_specs(rank)
-    bufs = {n: torch.zeros(view2d(s.local_shape), dtype=torch_dtype(s.dtype))
-            for n, s in staging.items() if s.alias_of is None}
-    count = {n: torch.zeros(b.shape, dtype=torch.int64) for n, b in bufs.items()}
-    for src in plan.sources.values():
-        v = values[src.name].reshape(view2d(src.shape))
-        for d in (d for d in src.deliveries if d.rank == rank):
-            pc = d.piece
-            put(bufs[d.param], pc, v[pc.rows[0]:pc.rows[1], pc.cols[0]:pc.cols[1]])
-            put(count[d.param], pc, count[d.param][pc.dst_row:pc.dst_row + pc.rows[1] - pc.rows[0],
-                                                    pc.dst_col:pc.dst_col + pc.cols[1] - pc.cols[0]] + 1)
-    for n, c in count.items():
-        for r0, r1, c0, c1 in staging[n].padding:
-            assert not c[r0:r1, c0:c1].any(), f"rank {rank} {n}: padding is written"
-            c[r0:r1, c0:c1] += 1
-        assert torch.equal(c, torch.ones_like(c)), f"rank {rank} {n}: not covered exactly once"
-    got = {n: b.reshape(staging[n].local_shape) for n, b in bufs.items()}
+    got = staged_from_deliveries(plan, rank, values)
     for step in plan.post[rank]:   # by the loader's own post-load ops (transposes, permutes, value transforms)
         finals = [plan.specs[rank][n] for n in step.outputs]
         got.update(zip(step.outputs, OPS[step.op](step, finals, *(got[n] for n in step.inputs))))
@@ -232,3 +211,29 @@ def decoder(moe: bool) -> tuple[dict, dict]:
             shapes.update({p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
                            p + "mlp.down_proj.weight": (H, I)})
     return one_file_entries(shapes), config
+
+
+def staged_from_deliveries(plan, rank: int, values) -> dict[str, torch.Tensor]:
+    """Rank's staging params (what the transfer writes, before post-load steps) from the plan's deliveries, each
+    element written exactly once (zero padding never)."""
+    staging = plan.staging_specs(rank)
+    bufs = {n: torch.zeros(view2d(s.local_shape), dtype=torch_dtype(s.dtype))
+            for n, s in staging.items() if s.alias_of is None}
+    count = {n: torch.zeros(b.shape, dtype=torch.int64) for n, b in bufs.items()}
+    for src in plan.sources.values():
+        v = values[src.name].reshape(view2d(src.shape))
+        for d in (d for d in src.deliveries if d.rank == rank):
+            pc = d.piece
+            put(bufs[d.param], pc, v[pc.rows[0]:pc.rows[1], pc.cols[0]:pc.cols[1]])
+            nr, nc = pc.rows[1] - pc.rows[0], pc.cols[1] - pc.cols[0]
+            count[d.param][pc.dst_row:pc.dst_row + nr, pc.dst_col:pc.dst_col + nc] += 1
+    for n, c in count.items():
+        for r0, r1, c0, c1 in staging[n].padding:
+            assert not c[r0:r1, c0:c1].any(), f"rank {rank} {n}: padding is written"
+            c[r0:r1, c0:c1] += 1
+        assert torch.equal(c, torch.ones_like(c)), f"rank {rank} {n}: not covered exactly once"
+    out = {n: b.reshape(staging[n].local_shape) for n, b in bufs.items()}
+    for n, s in staging.items():
+        if s.alias_of is not None:
+            out[n] = out[s.alias_of]
+    return out

@@ -112,6 +112,11 @@ def import_cycles() -> list[str]:
         for target, node in import_edges(name):
             if target in names:
                 graph[name].setdefault(target, where(names[name], node))
+    return cycles_of(graph)
+
+
+def cycles_of(graph: dict[str, dict[str, str]]) -> list[str]:
+    """One shortest cycle per group of nodes of `graph` (node -> {node: 'file:line'}) that reach each other."""
     cycles, seen = [], set()
     for start in sorted(graph):
         if start in seen:
@@ -226,3 +231,45 @@ def imports_process_group_at_load(path: Path) -> bool:
         if isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "distributed" for a in node.names):
             return True
     return False
+
+
+# The root's BASE modules: the job's inputs every layer may import (each its own node of the folder graph).
+BASE_MODULES = ("errors", "dtypes", "faults", "gc_freeze", "deadline", "topology", "options", "validate", "stages")
+ROOT_NODE = "root"   # the root's pipeline modules (loader, postprocess, report, ...), one node
+# The faces: the Python API (distload/__init__.py) and the command line, on top of everything (engines/ included);
+# no graph node of their own, and nothing below them may import them (test_structure checks).
+FACE_MODULES = ("distload", "distload.__main__", "distload.cli", "distload.rules_cmd")
+
+
+def folder_of(name: str) -> str | None:
+    """The folder-graph node of package module `name`: its wing folder (distload/<folder>/, distload.kernels),
+    a BASE module by itself, or ROOT_NODE; None for the faces (FACE_MODULES: the API and the command line)."""
+    parts = name.split(".")
+    if parts[0] != "distload" or name in FACE_MODULES:
+        return None
+    if len(parts) > 2 or modules()[name].name == "__init__.py":
+        return parts[1]
+    return parts[1] if parts[1] in BASE_MODULES else ROOT_NODE
+
+
+def folder_graph() -> dict[str, dict[str, str]]:
+    """node -> {node it imports: 'file:line' of the first such import} over the package's modules (function-local
+    imports included)."""
+    names = package_modules()
+    graph: dict[str, dict[str, str]] = {}
+    for name in sorted(names):
+        here = folder_of(name)
+        if here is None:
+            continue
+        graph.setdefault(here, {})
+        for target, node in import_edges(name):
+            there = folder_of(target) if target in names else None
+            if there is not None and there != here:
+                graph[here].setdefault(there, where(names[name], node))
+                graph.setdefault(there, {})
+    return graph
+
+
+def folder_cycles() -> list[str]:
+    """One shortest cycle per group of folder-graph nodes that import each other, each edge with its file:line."""
+    return cycles_of(folder_graph())

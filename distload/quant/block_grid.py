@@ -1,10 +1,9 @@
-"""Scale companions' layouts, derived from their weight's, so weight and scale shards always match.
+"""Block scales' layouts, derived from their weight's, so weight and scale shards always match.
 
-    per-part   (per-tensor scales, input scales) one scalar per distinct weight source; every rank gets
-               all of them in source order: [n_sources], experts [local experts, n_parts]
-    block      the weight's pieces mapped onto the block grid: rows [a, b) -> scale rows [a/bn, ceil(b/bn));
-               a piece whose edge falls inside a block is refused while planning, with the tp values
-               that work (a scale row cannot belong to two ranks' different rows)
+The weight's pieces are mapped onto the block grid: rows [a, b) -> scale rows [a/bn, ceil(b/bn)), columns alike.
+A piece whose edge falls inside a block is refused while planning, with the group sizes that work (a scale row
+cannot belong to two ranks' different rows). Experts' block scales are made per rank when asked, as their
+weights' layouts are (plan/expert_layouts.py), so a rank's planning grows with its own experts.
 """
 
 from __future__ import annotations
@@ -14,60 +13,15 @@ import operator
 
 from ..errors import PlanError
 from ..dtypes import itemsize
-from ..plan.expert_layouts import DerivedExpertLayouts, ExpertLayouts
-from .fp8 import Companion, Scheme
+from ..plan.expert_layouts import ExpertLayouts
 from ..plan.ranks import RankValues, per_group, unzipped
 from ..plan.shard import LocalLayout, Piece, view2d
 from ..plan.types import ParamSpec
+from .companions import Companion
+from .expert_companions import lazy_expert_companion
+from .format import group_label, hint_sizes
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")   # of a checkpoint entry
-
-def companion_layouts(c: Companion, target, weight_specs: RankValues, weight_lays: RankValues, tensors: dict,
-                      scheme: Scheme, group: int, relayout) -> tuple[RankValues, RankValues]:
-    """Per rank (spec, layout) of companion `c`, from its weight's per-rank specs and layouts, cut once per
-    group of ranks that hold the same weight shard.
-
-    group: the size of the group the weight is cut over (tp; for experts, ranks per expert group);
-    relayout(q) -> the weight's (specs, layouts) at group size q, called only when a block is split,
-    to name the sizes that work.
-    """
-    if c.role == "weight" and scheme.block:
-        return _block_layouts(c, target, weight_specs, weight_lays, tensors, scheme, group, relayout)
-    return _per_part_layouts(c, target, weight_specs, tensors)
-
-
-def _per_part_layouts(c: Companion, target, weight_specs: RankValues, tensors) -> tuple[RankValues, RankValues]:
-    scale_of = dict(c.scale_of)
-    entries = [tensors[s] for s in c.sources]
-    not_scalar = [f"{e.name}{list(e.shape)}" for e in entries if math.prod(e.shape) != 1]
-    if not_scalar:
-        raise PlanError(f"{c.name}: per-tensor scales must hold one value, got {', '.join(not_scalar)}; "
-                        f"check quantization_config (a block or channel scheme?)")
-    dtypes = sorted({e.dtype for e in entries})
-    if len(dtypes) > 1:
-        raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
-    world = weight_specs.world
-    if target.rule.style == "expert":
-        if target.rule.stacked:
-            raise PlanError(f"{c.name}: per-tensor scales of experts stacked on disk are not supported; "
-                            f"use a block-FP8 or per-expert checkpoint")
-        n_parts = len(target.expert_sources[0])
-
-        def per_expert(w):  # [local experts(, parts)]: each hosted expert's scalars, slot by slot
-            shape = (len(w.experts), n_parts) if n_parts > 1 else (len(w.experts),)
-            pieces = tuple(Piece(scale_of[s], (0, 1), (0, 1), slot, j)
-                           for slot, e in enumerate(w.experts) for j, s in enumerate(target.expert_sources[e]))
-            glob = (w.global_shape[0], n_parts) if n_parts > 1 else (w.global_shape[0],)
-            return ParamSpec(c.name, "expert", dtypes[0], glob, shape, experts=w.experts), LocalLayout(*view2d(shape), pieces)
-        return unzipped(per_group(per_expert, weight_specs))
-    if len(c.sources) == 1:  # one source (also a fused one on disk): its scalar, as it is, on every rank
-        (entry,) = entries
-        return (RankValues([ParamSpec(c.name, "replicate", entry.dtype, tuple(entry.shape), tuple(entry.shape))], world),
-                RankValues([LocalLayout(1, 1, (Piece(entry.name, (0, 1), (0, 1), 0, 0),))], world))
-    shape = (len(c.sources),)
-    lay = LocalLayout(len(c.sources), 1, tuple(Piece(s, (0, 1), (0, 1), i, 0) for i, s in enumerate(c.sources)))
-    return RankValues([ParamSpec(c.name, "replicate", dtypes[0], shape, shape)], world), RankValues([lay], world)
-
 
 class _SplitBlock(Exception):
     """A weight piece whose edge falls inside a block (internal: becomes a PlanError with hints)."""
@@ -151,10 +105,14 @@ class _BlockGrid:
         return rows, cols, slot * nb_loc + d // bn, dc // bk, (rows[1] - rows[0]) * (cols[1] - cols[0])
 
 
-def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, scheme: Scheme, group: int, relayout):
-    block = scheme.block
+def block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, block: tuple[int, int], where: str,
+                  group: int, relayout) -> tuple[RankValues, RankValues]:
+    """Per rank (spec, layout) of block scale `c`, from its weight's per-rank specs and layouts, cut once per group
+    of ranks that hold the same weight shard. group: the size of the group the weight is cut over (tp; for experts,
+    ranks per expert group); relayout(q): the weight's (specs, layouts) at group size q, asked only when a block
+    is split, to name the sizes that work."""
     scale_of = dict(c.scale_of)
-    _check_scale_shapes(c, tensors, block, scheme.where)
+    _check_scale_shapes(c, tensors, block, where)
     dtypes = sorted(set(map(_DTYPE, map(tensors.__getitem__, c.sources))))
     if len(dtypes) > 1:
         raise PlanError(f"{c.name}: its parts' scales have different dtypes {dtypes}; the checkpoint contradicts itself")
@@ -181,7 +139,7 @@ def _block_layouts(c: Companion, target, weight_specs, weight_lays, tensors, sch
             return _lazy_expert_scales(c, weight_specs, weight_lays, scales, tensors, block, dtypes[0])
         return unzipped(per_group(scales, weight_lays, weight_specs))
     except _SplitBlock as split:
-        raise _split_error(c, target, split, tensors, scheme, group, relayout) from None
+        raise _split_error(c, target, split, tensors, block, where, group, relayout) from None
 
 
 def _check_scale_shapes(c: Companion, tensors: dict, block, where: str) -> None:
@@ -202,59 +160,37 @@ def _check_scale_shapes(c: Companion, tensors: dict, block, where: str) -> None:
 
 def _lazy_expert_scales(c: Companion, weight_specs, weight_lays: ExpertLayouts, scales, tensors: dict, block,
                         dtype: str):
-    """An expert weight's block scales, per rank when asked (expert_layouts.py). Every expert has one geometry,
-    so the ranks of one (rank in group, number of hosted experts) are checked now, one each: what a split block
-    or an untiled grid would refuse fails while planning. A scale source's takers are its weight source's, each
-    mapped onto the block grid as _BlockGrid maps a piece (an edge inside a block was refused above)."""
-    pairs: dict[int, tuple] = {}
-    scale_of = dict(c.scale_of)
-
-    def pair(i: int):
-        if i not in pairs:
-            pairs[i] = scales(weight_lays.value(i), weight_specs.value(i))
-        return pairs[i]
-    placement = weight_lays.placement
-    for i in placement.one_per_shape:
-        pair(i)
+    """An expert weight's block scales, per rank when asked (expert_companions.py). A scale source's takers are
+    its weight source's, each mapped onto the block grid as _BlockGrid maps a piece (an edge inside a block was
+    refused when the ranks of each shape were derived)."""
     bn, bk = block
-    mapped = placement.memo   # alike across layers, as the weight's takers are
 
-    def takers_of(w_source: str) -> tuple:
-        w, s = tensors[w_source], tensors[scale_of[w_source]]
-        w_isz = itemsize(w.dtype)
-        weight_takers = weight_lays.takers(w_source, w_isz)
-        key = ("block scales", id(weight_takers), w.shape[-2], w.dtype, s.dtype, bn, bk)   # shape[-2]: one matrix's rows
-        known = mapped.get(key)
-        if known is None:   # the weight's takers are kept alive by the placement's memo: ids stay unique
-            n, s_isz = _matrix_dims(tuple(w.shape), w_source)[0], itemsize(s.dtype)
-            nb, out = -(-n // bn), []
-            for r0, r1, width, g in weight_takers:
-                e = r0 // n
-                out.append((e * nb + (r0 - e * n) // bn, e * nb + -(-(r1 - e * n) // bn),
-                            -(-(width // w_isz) // bk) * s_isz, g))
-            known = mapped[key] = tuple(out)
-        return known
-    return (RankValues((), weight_specs.world, make=lambda i: pair(i)[0], period=weight_lays.period),
-            DerivedExpertLayouts(c.name, weight_lays, {s: w for w, s in c.scale_of}, lambda i: pair(i)[1], takers_of,
-                                 ("block scales", bn, bk), dtype))
+    def on_the_grid(weight_takers, w, s):
+        w_isz, s_isz = itemsize(w.dtype), itemsize(s.dtype)
+        n = _matrix_dims(tuple(w.shape), w.name)[0]
+        nb = -(-n // bn)
+        for r0, r1, width, g in weight_takers:
+            e = r0 // n
+            yield (e * nb + (r0 - e * n) // bn, e * nb + -(-(r1 - e * n) // bn), -(-(width // w_isz) // bk) * s_isz, g)
+    return lazy_expert_companion(c, weight_specs, weight_lays, scales, on_the_grid, ("block scales", bn, bk),
+                                 tensors, dtype)
 
 
-def _split_error(c: Companion, target, split: _SplitBlock, tensors, scheme: Scheme, group: int, relayout) -> PlanError:
-    label = "ranks per expert group (world/ep)" if target.rule.style == "expert" else "tp"
-    valid = []
-    for q in range(1, 65):
+def _split_error(c: Companion, target, split: _SplitBlock, tensors, block, where: str, group: int,
+                 relayout) -> PlanError:
+    def fits(q: int) -> bool:
         try:
             specs, lays = relayout(q)
-            grid = _BlockGrid(dict(c.scale_of), tensors, scheme.block)
+            grid = _BlockGrid(dict(c.scale_of), tensors, block)
             for lay, w in zip(lays, specs):
                 grid.pieces(lay, w)
         except (_SplitBlock, PlanError):
-            continue
-        valid.append(q)
-    bn, bk = scheme.block
-    hint = (f"try {label} {', '.join(map(str, valid))}" if valid else
-            "no tp works: a part's size is not a multiple of the block; re-quantize with a block that divides it")
-    return PlanError(f"{target.name} (rule {target.rule.style}, block FP8 [{bn}, {bk}] from {scheme.where}): "
+            return False
+        return True
+    label, (bn, bk) = group_label(target), block
+    hint = hint_sizes(fits, label, none="no tp works: a part's size is not a multiple of the block; re-quantize "
+                                        "with a block that divides it")
+    return PlanError(f"{target.name} (rule {target.rule.style}, block FP8 [{bn}, {bk}] from {where}): "
                      f"{label}={group} {split}, inside a [{bn}, {bk}] block of its {c.name.rsplit('.', 1)[-1]}; a "
                      f"weight and its block scales are cut together, so every shard edge must fall on a block edge "
                      f"({hint})")

@@ -15,24 +15,23 @@ from __future__ import annotations
 import math
 
 from ..errors import PlanError
-from . import mxfp4 as quant4_mxfp4
-from .packed4 import PackedTensor, by_weight
-from .packed4_formats import IN, ONE, OUT, Packed4, expected_view
-from ..plan.ranks import RankValues, per_group, unzipped
-from ..plan.shard import LocalLayout, Piece, valid_group_sizes, view2d
+from ..plan.ranks import per_group, unzipped
+from ..plan.shard import LocalLayout, Piece, view2d
 from ..plan.types import ParamSpec
+from .companions import Companion, by_weight
+from .format import hint_sizes
+from .packed_table import IN, ONE, OUT, expected_view
+from .per_part import per_part_layouts
 
 
 class _Split(Exception):
     """A logical piece edge inside a pack or group (internal: becomes a PlanError with hints)."""
 
 
-def packed_layouts(planned: dict, packed: tuple[PackedTensor, ...], targets: dict, index: dict, scheme: Packed4,
-                   group: int, relayout, dequantize: bool = False) -> dict:
+def packed_layouts(scheme, planned: dict, packed: tuple[Companion, ...], targets: dict, index: dict, group: int,
+                   relayout) -> dict:
     """Replace each packed target's logical (specs, layouts) in `planned` by its packed tensors'; return the
     logical ones (what a dequantization step produces). relayout(name, q): the logical ones at tp q."""
-    if scheme is not None and scheme.name == "mxfp4":  # vLLM's uneven, padded expert split
-        return quant4_mxfp4.packed_layouts(planned, packed, targets, index, scheme, dequantize)
     logical = {}
     for weight, tensors in by_weight(packed).items():
         if weight not in planned:
@@ -43,11 +42,12 @@ def packed_layouts(planned: dict, packed: tuple[PackedTensor, ...], targets: dic
         except _Split as split:
             raise _split_error(weight, targets[weight], tensors, split, scheme, group, relayout) from None
         for p in tensors:
-            planned[p.name] = _cut(p, specs, lays, index)
+            planned[p.name] = (per_part_layouts(p, targets[weight], specs, index, every_expert=p.is_input)
+                               if p.cut.per_part else _cut(p, specs, lays, index))
     return logical
 
 
-def _units(tensors: list[PackedTensor], scheme: Packed4):
+def _units(tensors: list[Companion], scheme):
     """(axis, unit, what) every logical edge must respect, binding ones first."""
     out = []
     for p in tensors:
@@ -58,12 +58,11 @@ def _units(tensors: list[PackedTensor], scheme: Packed4):
                 continue
             kind = scheme.unit_name if axis == IN and unit == scheme.group else "pack"
             out.append((axis, unit, f"{unit}-value {kind} of its {p.suffix}"))
-    if scheme.name == "gptq" and scheme.group:  # vLLM: the local input is a whole number of groups
-        out.append((IN, scheme.group, f"{scheme.group}-value group of its scales"))
+    out += scheme.extra_units()
     return sorted(set(out), key=lambda u: -u[1])
 
 
-def _check_edges(tensors: list[PackedTensor], spec, lay: LocalLayout, scheme: Packed4) -> None:
+def _check_edges(tensors: list[Companion], spec, lay: LocalLayout, scheme) -> None:
     units = _units(tensors, scheme)
     for pc in lay.pieces:
         for axis, lo, hi, dst in ((OUT, *pc.rows, pc.dst_row), (IN, *pc.cols, pc.dst_col)):
@@ -73,8 +72,8 @@ def _check_edges(tensors: list[PackedTensor], spec, lay: LocalLayout, scheme: Pa
                     raise _Split(f"cuts {pc.source} at {axis}put {edge}, inside a {what}")
 
 
-def _split_error(weight, target, tensors, split: _Split, scheme: Packed4, group: int, relayout) -> PlanError:
-    def ok(q):
+def _split_error(weight, target, tensors, split: _Split, scheme, group: int, relayout) -> PlanError:
+    def fits(q):
         try:
             specs, lays = relayout(weight, q)
             for spec, lay in zip(specs, lays):
@@ -82,9 +81,8 @@ def _split_error(weight, target, tensors, split: _Split, scheme: Packed4, group:
         except (_Split, PlanError):
             return False
         return True
-    valid = valid_group_sizes(ok, upto=16)
-    hint = f"try tp {', '.join(map(str, valid))}" if valid else "no tp works: re-quantize with a smaller group"
-    return PlanError(f"{weight} (rule {target.rule.style}, {scheme.describe()}): tp={group} {split}; a packed "
+    hint = hint_sizes(fits, "tp", upto=16, none="no tp works: re-quantize with a smaller group")
+    return PlanError(f"{weight} (rule {target.rule.style}, {scheme.label()}): tp={group} {split}; a packed "
                      f"tensor is cut in whole packs and groups, together with its weight ({hint})")
 
 
@@ -98,14 +96,12 @@ def _axis(axis: str, unit: int, piece: Piece, whole: int | None) -> tuple[tuple[
     return (lo // unit, hi // unit), dst // unit
 
 
-def _shape(p: PackedTensor, out_f: int, in_f: int, full_in: int) -> tuple[int, ...]:
+def _shape(p: Companion, out_f: int, in_f: int, full_in: int) -> tuple[int, ...]:
     rows, cols = expected_view(p.cut, out_f, full_in if p.cut.whole_in else in_f)
     return (rows,) if p.cut.cols[0] == ONE else (rows, cols)
 
 
-def _cut(p: PackedTensor, specs, lays, index: dict):
-    if p.cut.per_part:
-        return _per_part(p, specs, index)
+def _cut(p: Companion, specs, lays, index: dict):
     packed_of = dict(p.scale_of)
 
     def one(spec, lay):
@@ -130,7 +126,7 @@ def _cut(p: PackedTensor, specs, lays, index: dict):
             glob = (spec.global_shape[0],) + (glob[1:] if one_row else glob)
         dtype = index[p.sources[0]].dtype
         style = spec.style if experts or _follows_cut(p, spec.style) else "replicate"
-        lay_out = LocalLayout(*view2d(local), tuple(_merge(p, pieces)))
+        lay_out = LocalLayout(*view2d(local), tuple(merged(p, pieces)))
         if sum(pc.numel for pc in lay_out.pieces) != math.prod(local):
             raise PlanError(f"{p.name}: its pieces do not tile its local shape {list(local)}; a packed tensor "
                             f"cannot follow this layout of {p.weight}")
@@ -138,13 +134,13 @@ def _cut(p: PackedTensor, specs, lays, index: dict):
     return unzipped(per_group(one, specs, lays))
 
 
-def _follows_cut(p: PackedTensor, style: str) -> bool:
+def _follows_cut(p: Companion, style: str) -> bool:
     """Whether the tensor is cut at all: it runs along the axis its layer's style cuts (inputs for row)."""
     axis = IN if style == "row" else OUT
     return any(a == axis and not (a == IN and p.cut.whole_in) for a, _ in (p.cut.rows, p.cut.cols))
 
 
-def _merge(p: PackedTensor, pieces: list[Piece]) -> list[Piece]:
+def merged(p: Companion, pieces: list[Piece]) -> list[Piece]:
     """A tensor without an output axis (GPTQ g_idx) is one per layer input: the fused parts share their
     input, so (as in vLLM) the first part's is the param's (per expert slot); other repeats are kept once."""
     if OUT not in (p.cut.rows[0], p.cut.cols[0]):
@@ -153,39 +149,3 @@ def _merge(p: PackedTensor, pieces: list[Piece]) -> list[Piece]:
             first.setdefault((pc.dst_row, pc.dst_col), pc)
         return list(first.values())
     return list(dict.fromkeys(pieces))
-
-
-def _per_part(p: PackedTensor, specs, index: dict):
-    entries = [index[s] for s in p.sources]
-    if specs.value(0).style == "expert":
-        return _per_part_experts(p, specs, entries)
-    world = specs.world
-    if len(entries) == 1:
-        (e,) = entries
-        lay = LocalLayout(*view2d(tuple(e.shape)), (Piece(e.name, (0, view2d(tuple(e.shape))[0]), (0, 1), 0, 0),))
-        return RankValues([ParamSpec(p.name, "replicate", e.dtype, tuple(e.shape), tuple(e.shape))], world), \
-            RankValues([lay], world)
-    rows = [view2d(tuple(e.shape))[0] for e in entries]
-    shape = (sum(rows),)
-    pieces = tuple(Piece(e.name, (0, n), (0, 1), sum(rows[:i]), 0) for i, (e, n) in enumerate(zip(entries, rows)))
-    lay = LocalLayout(shape[0], 1, pieces)
-    return RankValues([ParamSpec(p.name, "replicate", entries[0].dtype, shape, shape)], world), RankValues([lay], world)
-
-
-def _per_part_experts(p: PackedTensor, specs, entries):
-    """Per-part tensors of experts: [local experts, parts * numel], slot by slot (sources run expert by expert;
-    logical_index gives each the view [1, numel]); input scales [all experts, parts] on every rank."""
-    n_experts = specs.value(0).global_shape[0]
-    n_parts, k = len(entries) // n_experts, entries[0].shape[1]
-
-    def one(spec):
-        # NVFP4 MoE kernels take the max input scale over all experts: every rank gets every expert's.
-        every = p.suffix == "input_scale"
-        slots = tuple(range(n_experts)) if every else spec.experts
-        pieces = tuple(Piece(entries[e * n_parts + j].name, (0, 1), (0, k), slot, j * k)
-                       for slot, e in enumerate(slots) for j in range(n_parts))
-        shape = (len(slots), n_parts * k)
-        return (ParamSpec(p.name, "replicate", entries[0].dtype, shape, shape) if every else
-                ParamSpec(p.name, "expert", entries[0].dtype, (n_experts, n_parts * k), shape, experts=spec.experts),
-                LocalLayout(*shape, pieces))
-    return unzipped(per_group(one, specs))

@@ -1,0 +1,67 @@
+"""GPTQ (AutoGPTQ v1 layout, quant_method gptq, 4 bits): int32 words packed along the input, per group of g inputs
+a scale and packed zeros; with desc_act (act-order) g_idx maps each input to its group.
+
+    X.qweight  I32 [in/8, out]     X.qzeros  I32 [in/g, out/8]     X.scales  F16 [in/g, out]     X.g_idx  I32 [in]
+With desc_act (or one group per row), scales and zeros are not cut along the input: as in vLLM every rank
+holds all groups, and its cut of g_idx indexes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .. import kernels
+from .format import refuse_kind
+from .packed import PackedFormat, packed_op
+from .packed_table import IN, INT_FLOAT_DTYPES, ONE, OUT, Cut, parse_group
+
+
+def _matrix(step, t: dict, dtype):
+    g_idx = t.get("g_idx") if step.use_g_idx else None
+    return kernels.dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=step.group or -1,
+                                   dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Gptq(PackedFormat):
+    """GPTQ (see the module docstring)."""
+    desc_act: bool = False           # act-order: g_idx is a permutation of the groups
+    symmetric: bool = True
+
+    name: ClassVar[str] = "gptq"
+    declared_by: ClassVar[str] = "gptq (quant_method gptq, 4 bits, checkpoint_format gptq)"
+    dequantize_op: ClassVar[str] = "dequantize_gptq"
+    OPS: ClassVar[dict] = {"dequantize_gptq": packed_op(_matrix)}
+
+    @staticmethod
+    def declares(qc: dict) -> bool:
+        return qc.get("quant_method") == "gptq"
+
+    @classmethod
+    def from_config(cls, qc: dict, where: str) -> "Gptq":
+        if qc.get("bits", 4) != 4:
+            raise refuse_kind(where, f"bits {qc.get('bits')} is not supported", "4-bit gptq checkpoints")
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt != "gptq":
+            raise refuse_kind(where, f"checkpoint_format {fmt!r}", "the AutoGPTQ v1 layout ('gptq'); convert the "
+                                                                    "checkpoint with gptqmodel first")
+        return cls(where, group=parse_group(qc.get("group_size", 128), where), desc_act=bool(qc.get("desc_act")),
+                   symmetric=bool(qc.get("sym", True)))
+
+    def details(self) -> str:
+        return super().details() + (" desc_act" if self.desc_act else "")
+
+    def cuts(self, in_features: int) -> dict[str, Cut]:
+        g, whole = self.group or in_features, self.desc_act or not self.group
+        return {"qweight": Cut((IN, 8), (OUT, 1), ("I32",)),
+                "qzeros": Cut((IN, g), (OUT, 8), ("I32",), whole_in=whole),
+                "scales": Cut((IN, g), (OUT, 1), INT_FLOAT_DTYPES, whole_in=whole),
+                "g_idx": Cut((IN, 1), (ONE, 1), ("I32",), optional=not self.desc_act)}
+
+    def extra_units(self) -> list[tuple[str, int, str]]:
+        # vLLM: a rank's local input is a whole number of groups
+        return [(IN, self.group, f"{self.group}-value group of its scales")] if self.group else []
+
+    def step(self, weight, tensors, spec, lay, target, index, **extra):
+        return super().step(weight, tensors, spec, lay, target, index, use_g_idx=self.desc_act)
