@@ -104,7 +104,10 @@ def summary_line(report: dict) -> str:
     pp = f" pp={report['pp']}" if report.get("pp", 1) > 1 else ""
     mtp = report.get("mtp") or {}   # sources' report_extra: the MTP layers (mtp.report_fields)
     draft = f" mtp={mtp['mode']}(layers {','.join(map(str, mtp['layers']))})" if mtp.get("stage") is not None else ""
+    store = report.get("object_store")   # an s3:// checkpoint: the job's traffic with the store
+    fetched = (f" store: {store['bytes_fetched'] / 1e9:.3f} GB in {store['requests']} requests, {store['retries']} "
+               f"retries, {store['bytes_from_cache'] / 1e9:.3f} GB from the node cache;" if store else "")
     return (f"distload: {'OK' if report['ok'] else 'NOT OK'} {report['family']} "
             f"world={report['world_size']} tp={report['tp']}{pp} ep={report['ep']} readers={len(report['readers'])} "
             f"params={report['params']}{draft} checkpoint={gb:.3f} GB read={report['storage_bytes_read'] / 1e9:.3f} GB "
-            f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB{on_device}; {report['verdict']}")
+            f"in {total:.2f}s ({rate:.2f} GB/s) peak_rss={peak:.0f} MiB{on_device};{fetched} {report['verdict']}")
