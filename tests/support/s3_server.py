@@ -53,6 +53,7 @@ class Entry:
     method: str
     bucket: str
     key: str
+    query: str
     range: str | None
     if_match: str | None
     status: int = 0
@@ -95,6 +96,11 @@ class RequestLog:
 
     def count(self, method: str) -> int:
         return sum(1 for e in self.entries if e.method == method)
+
+    def about(self, prefix: str) -> list[Entry]:
+        """The requests about the checkpoint under `prefix`: its objects, and listings of it."""
+        return [e for e in self.entries if e.key.startswith(f"{prefix}/") or
+                (not e.key and e.bucket and f"prefix={prefix}/" in e.query)]
 
 
 @dataclasses.dataclass
@@ -154,8 +160,8 @@ class Logged:
         if path.startswith("_log"):
             return self._control(environ, start_response, path)
         bucket, _, key = path.partition("/")
-        e = Entry(time.time(), environ["REQUEST_METHOD"], bucket, key, environ.get("HTTP_RANGE"),
-                  environ.get("HTTP_IF_MATCH"))
+        e = Entry(time.time(), environ["REQUEST_METHOD"], bucket, key, unquote(environ.get("QUERY_STRING", "")),
+                  environ.get("HTTP_RANGE"), environ.get("HTTP_IF_MATCH"))
         if bucket == "moto-api":
             return self.app(environ, start_response)
         self.log.add(e)
@@ -274,11 +280,13 @@ class S3Server(ThreadedMotoServer):
         key = iam.create_access_key(UserName=name)["AccessKey"]
         return key["AccessKeyId"], key["SecretAccessKey"]
 
-    def enforce_auth(self) -> None:
-        """From now on every request is authenticated and authorized against moto's IAM (make users first)."""
+    def enforce_auth(self, on: bool = True) -> None:
+        """From now on every request is authenticated and authorized against moto's IAM (make users first); off:
+        none is (moto's default; its state is the process's, so a test that turns it on turns it off after)."""
         import urllib.request
 
-        request = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0", method="POST",
+        count = b"0" if on else b"inf"
+        request = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=count, method="POST",
                                          headers={"Content-Type": "text/plain"})
         urllib.request.urlopen(request).read()
 

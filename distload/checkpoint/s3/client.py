@@ -11,6 +11,7 @@ from every message (redact).
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from distload.errors import CheckpointError
@@ -34,6 +35,8 @@ def import_boto3():
     except ImportError as e:
         raise CheckpointError(f"s3:// checkpoints need distload's s3 extra (boto3, not installed here: {e.name}): "
                               f"{EXTRA}") from None
+    for name in ("boto3", "botocore"):   # their INFO lines (where credentials were found) are not the load's news
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).getEffectiveLevel()))
     return boto3, botocore.config
 
 
