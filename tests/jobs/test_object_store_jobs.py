@@ -341,3 +341,38 @@ def test_inspect_plans_from_the_store(server, outcomes):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "route wire" in proc.stdout and "ranged GETs" in proc.stdout, proc.stdout
+
+
+def test_verify_from_the_store(server, outcomes, base):
+    """`distload verify s3://...`: distload's shards from the store, transformers' reference from the directory."""
+    env = {**server.env(), "HF_HUB_OFFLINE": "1"}
+    url = f"s3://{BUCKET}/llama"
+    proc = torchrun_job(NPROC, ["verify", url, "--reference", str(base), "--tp", str(NPROC), "--no-progress"], env)
+    assert proc.returncode == 0 and "distload verify" in proc.stdout, proc.stdout[-4000:]
+    refused = torchrun_job(NPROC, ["verify", url, "--tp", str(NPROC), "--no-progress"], env)
+    lines = dict(ERROR_LINE.findall(refused.stdout))
+    assert refused.returncode != 0 and sorted(lines) == ["0", "1"], refused.stdout[-4000:]
+    assert all("--reference DIR" in m and url in m for m in lines.values()), lines
+
+
+def _python(code: str, env: dict):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **env})
+
+
+def test_without_the_client_an_s3_path_names_the_extra(server):
+    proc = _python("import sys; sys.modules['boto3'] = None\nfrom distload.cli import main\n"
+                   f"sys.exit(main(['inspect', 's3://{BUCKET}/llama', '--tp', '2']))", server.env())
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("distload: error on rank 0: s3:// checkpoints need distload's s3 "
+                                                    "extra (boto3, not installed here: boto3): pip install "
+                                                    "'distload[s3]'"), proc.stderr
+
+
+def test_a_local_load_never_imports_the_client(base):
+    proc = _python(f"import sys, distload\ndistload.inspect({str(base)!r}, tp=2)\n"
+                   "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore')))", {})
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

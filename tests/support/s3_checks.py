@@ -26,14 +26,17 @@ def header_bytes(directory) -> int:
     return total
 
 
-def fetch_problems(log, prefix: str, directory) -> list[str]:
+def fetch_problems(log, prefix: str, directory, tensors_only: bool = False) -> list[str]:
     """Every weight file of `directory` (uploaded under `prefix`): the ranged GETs the server answered whole cover
-    each of its bytes exactly once; empty when so."""
+    each of its bytes exactly once (tensors_only: each byte after the header); empty when so."""
     problems = []
     for name in weight_files(directory):
-        size = (Path(directory) / name).stat().st_size
-        spans = sorted(e.span for e in log.ranged(f"^{prefix}/{name}$"))
-        cursor = 0
+        path = Path(directory) / name
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            data_start = 8 + int.from_bytes(f.read(8), "little") if tensors_only else 0
+        spans = sorted(e.span for e in log.ranged(f"^{prefix}/{name}$") if e.span[0] >= data_start)
+        cursor = data_start
         for a, b in spans:
             if a != cursor:
                 problems.append(f"{prefix}/{name}: bytes {min(a, cursor)}-{max(a, cursor)} "
