@@ -377,3 +377,14 @@ def test_a_local_load_never_imports_the_client(base):
     proc = _python(f"import sys, distload\ndistload.inspect({str(base)!r}, tp=2)\n"
                    "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore')))", {})
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_an_overwrite_mid_load_names_both_etags(outcomes):
+    import hashlib
+
+    o = outcomes["overwritten"]
+    name = "model-00002-of-00005.safetensors"
+    planned, now = (f'"{hashlib.md5(p.read_bytes()).hexdigest()}"' for p in (o["ws"] / "base" / name,
+                                                                              o["ws"] / "changed.safetensors"))
+    for [message] in _lines(o).values():
+        assert f"ETag {planned} when the load was planned, {now} now" in message, message
