@@ -42,13 +42,16 @@ def test_llm_from_s3_with_distload_generates_what_the_directory_load_does(tmp_pa
     from s3_server import S3Server
 
     ckpt = save_checkpoint("llama", tmp_path / "llama", dtype=torch.bfloat16, hidden_size=128, head_dim=32)
-    prefix = f"llama-{uuid.uuid4().hex[:8]}"   # vLLM keeps what it pulled in a folder named by the URL
+    prefix = f"llama-{uuid.uuid4().hex[:8]}"
+    pulled = {"VLLM_ASSETS_CACHE": str(tmp_path / "vllm-assets")}   # where vLLM keeps config and tokenizer it pulled
     with S3Server() as s3:
         url = s3.upload(ckpt, "vllm-models", prefix)
-        ours = _serve(url, "distload", tmp_path / "s3.json", s3.env(), {"report": str(tmp_path / "report.json")})
+        ours = _serve(url, "distload", tmp_path / "s3.json", {**s3.env(), **pulled},
+                      {"report": str(tmp_path / "report.json")})
         log = s3.log
     theirs = _serve(str(ckpt), "safetensors", tmp_path / "dir.json", {}, {})
     assert len(theirs["tokens"]) == 16 and ours["tokens"] == theirs["tokens"]
+    assert (next((tmp_path / "vllm-assets" / "model_streamer").iterdir()) / "config.json").exists()   # vLLM's pull
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["source"] == url and report["object_store"]["weights"]["bytes_fetched"] == report["checkpoint_bytes"]
     # each tensor byte fetched once; the headers are read by every worker, which plans before the load
