@@ -15,6 +15,7 @@ from .transfer import host_memory
 from . import topology
 from .checkpoint import choose_strategy
 from .checkpoint.dcp import is_dcp
+from .checkpoint.s3 import is_object_url
 from .deadline import within
 from .transfer.delivery import transfer_phase
 from .dtypes import torch_dtype
@@ -34,6 +35,7 @@ from .sharded.save import save_sharded
 from .sources import Source
 from .sources.checkpoint import CheckpointSource
 from .sources.dcp import DcpSource
+from .sources.object_store import ObjectStoreSource
 from .transfer import outcome, shared_from_rank0
 from .transfer.agreement import plan_digest, run_phase, verdict_everywhere
 from .transfer.pull import why_not_usable
@@ -101,8 +103,10 @@ def destinations(plan: LoadPlan, rank: int, device, into: dict | None, huge: boo
 
 
 def source_for(path: str, options: LoadOptions) -> Source:
-    """The source of a load at `path`: a distload save (a manifest, or the remains of one), a DCP
-    directory, or a Hugging Face / legacy checkpoint."""
+    """The source of a load at `path`: a checkpoint in object storage (s3://), a distload save (a manifest, or
+    the remains of one), a DCP directory, or a Hugging Face / legacy checkpoint."""
+    if is_object_url(path):
+        return ObjectStoreSource(path, options)
     if is_sharded_save(path):
         return ShardedSource(path, options)
     if is_dcp(path):
@@ -179,7 +183,8 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     if options.check_finite:  # every source: each rank scans its own params for NaN/Inf
         verdict_everywhere("check-finite", lambda: nonfinite(params, specs), finite_verdict)
         clock.lap("check-finite")
-    extra = {**source.report_extra(found, plan), "route": route.as_dict(), "tuning": options.tuning.as_dict()}
+    extra = {**source.report_extra(found, plan, verdict.rank_reports), "route": route.as_dict(),
+             "tuning": options.tuning.as_dict()}
     report = build_report(plan, verdict.rank_reports, clock.as_dict(), verdict, source=origin.root, extra=extra)
     result = LoadResult(params=params, specs=specs, report=report, plan=plan, verdict=verdict, config=origin.config,
                         rank=rank)
@@ -193,11 +198,13 @@ def decide_route(source: Source, found, plan: LoadPlan, device: str, rank: int,
     the OS (pull.py)."""
     blocker = source.copy_blocker(found, plan)
     route = choose_route(plan, device=device, source_blocker=blocker)
-    if options.read_strategy:
+    origin, layout = source.origin(found), plan.layout
+    if not origin.local:
+        strategy = None   # object storage: ranged GETs, no file system to choose a strategy for
+    elif options.read_strategy:
         strategy = options.read_strategy
         log.info("read strategy %s: forced by --read-strategy", strategy)
     else:
-        origin, layout = source.origin(found), plan.layout
         strategy, _ = choose_strategy(origin.root, origin.total_bytes or plan.checkpoint_bytes, device,
                                       layout.local_world, reading_ranks(route.kind, layout, rank))  # logs its reason
     if route.kind == "node-pulls":

@@ -152,6 +152,13 @@ class LoadOptions:
         "off", "multi-token-prediction (draft) layers of DeepSeek-V3/R1, GLM-4.5: off (default: read not at all), "
         "include (the model and its MTP layers, on the last pipeline stage), only (the draft alone)",
         choices=("off", "include", "only"))
+    cache_dir: str | None = option(
+        None, "s3:// checkpoints: keep every range fetched in DIR on this node (by object and ETag), and read it from "
+        "there in the next load on the node; an object changed on the server is fetched again", scope=LOAD,
+        engine=True, metavar="DIR")
+    max_gbps: float | None = option(
+        None, "s3:// checkpoints: cap the job's fetches from the store at this many gigabits per second, shared "
+        "equally by its readers", scope=LOAD, engine=True, type=float, metavar="GBPS")
     tuning: Tuning = field(default_factory=default_tuning)   # the environment's (DISTLOAD_*), not a flag
 
     def __post_init__(self):

@@ -83,6 +83,9 @@ class MemoryReader:
         self.bytes_read += n
         return n
 
+    def read_many(self, ranges) -> int:
+        return sum(self.read_into(f, offset, out) for f, offset, out in ranges)
+
     def prefetch(self, file: str, offset: int, nbytes: int) -> None:
         """Nothing to fetch: the tensors are in memory."""
 

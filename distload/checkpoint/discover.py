@@ -45,19 +45,58 @@ class CheckpointIndex:
         return sum(e.nbytes for e in self.tensors.values())
 
 
+class DirectoryFiles:
+    """A checkpoint directory as discovery reads it: its top-level files, a file's bytes, the headers of its weight
+    files. An object store's prefix answers the same questions (checkpoint/s3/listing.py)."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def names(self) -> list[str]:
+        with os.scandir(self.root) as it:
+            return sorted(e.name for e in it if not e.is_dir())
+
+    def where(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def read(self, name: str) -> bytes | None:
+        """The file's bytes; None when there is no such file."""
+        path = self.where(name)
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read it ({e}); fix or re-download it") from e
+
+    def check_inside(self, rel: str, source: str) -> None:
+        resolve_inside(self.root, rel, source)
+
+    def entries(self, rels: list[str], fmt: str, sources: dict[str, str]) -> dict[str, dict[str, TensorEntry]]:
+        return {rel: _entries_of(self.root, rel, fmt, sources[rel]) for rel in rels}
+
+
 @collector_paused  # an index is one entry object per tensor and no cycles (gc_freeze.py)
 def discover(root: str | os.PathLike) -> CheckpointIndex:
     """Index the checkpoint in directory `root` (safetensors first, then .bin/.pt)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise CheckpointError(f"{root}: checkpoint directory does not exist or is not a directory")
-    present_safetensors = _top_level_files(root, (".safetensors",))
-    present_legacy = _top_level_files(root, LEGACY_SUFFIXES)
+    return index_checkpoint(DirectoryFiles(root))
 
-    if os.path.exists(os.path.join(root, SAFETENSORS_INDEX)) or present_safetensors:
+
+def index_checkpoint(files) -> CheckpointIndex:
+    """Index the checkpoint whose files `files` reads (DirectoryFiles, or an object store's prefix): the index
+    json is the authority where there is one, its paths stay inside the checkpoint, every header is validated."""
+    root, names = files.root, files.names()
+    present_safetensors = [n for n in names if n.endswith(".safetensors")]
+    present_legacy = [n for n in names if n.endswith(LEGACY_SUFFIXES)]
+
+    if SAFETENSORS_INDEX in names or present_safetensors:
         fmt, index_name, present = "safetensors", SAFETENSORS_INDEX, present_safetensors
         others = present_legacy
-    elif os.path.exists(os.path.join(root, TORCH_INDEX)) or present_legacy:
+    elif TORCH_INDEX in names or present_legacy:
         fmt, index_name = "torch", TORCH_INDEX
         present = [f for f in present_legacy if f not in TRAINER_ARTEFACTS]
         others = [f for f in present_legacy if f in TRAINER_ARTEFACTS]
@@ -67,32 +106,34 @@ def discover(root: str | os.PathLike) -> CheckpointIndex:
             "that holds the model's weights (where config.json is)"
         )
 
-    index_path = os.path.join(root, index_name)
-    if os.path.exists(index_path):
-        weight_map = _read_weight_map(index_path, index_name)
-        files = sorted(set(weight_map.values()))
-        for rel in files:
-            resolve_inside(root, rel, source=f"{index_name} entry {rel!r}")
-        per_file = {rel: _entries_of(root, rel, fmt, f"{index_name} names {rel!r}, which") for rel in files}
+    indexed = index_name in names
+    if indexed:
+        weight_map = parse_weight_map(files.read(index_name), files.where(index_name), index_name)
+        files_used = sorted(set(weight_map.values()))
+        sources = {rel: f"{index_name} entry {rel!r}" for rel in files_used}
+        for rel in files_used:
+            files.check_inside(rel, sources[rel])
+        per_file = files.entries(files_used, fmt, {rel: f"{index_name} names {rel!r}, which" for rel in files_used})
         tensors = _merge(per_file)
         _check_against_weight_map(tensors, weight_map, index_name)
     else:
-        files = present
-        for rel in files:
-            resolve_inside(root, rel, source=f"weight file {rel!r}")
-        tensors = _merge({rel: _entries_of(root, rel, fmt, f"weight file {rel!r}") for rel in files})
+        files_used = present
+        for rel in files_used:
+            files.check_inside(rel, f"weight file {rel!r}")
+        tensors = _merge(files.entries(files_used, fmt, {rel: f"weight file {rel!r}" for rel in files_used}))
 
-    ignored = tuple(sorted(set(present) - set(files) | set(others)))
+    ignored = tuple(sorted(set(present) - set(files_used) | set(others)))
     if ignored:
         log.warning(
             "checkpoint %s: ignoring weight files not used by the %s checkpoint%s: %s",
-            root, fmt, f" ({index_name} is the authority)" if os.path.exists(index_path) else "", ", ".join(ignored),
+            root, fmt, f" ({index_name} is the authority)" if indexed else "", ", ".join(ignored),
         )
     if fmt == "safetensors":  # already in file order: files sorted, each header's entries by offset
         ordered = tensors
     else:
         ordered = dict(sorted(tensors.items(), key=lambda item: (item[1].file, item[1].offset)))
-    return CheckpointIndex(root, fmt, ordered, tuple(files), ignored, read_config(root))
+    config = parse_config(files.read("config.json"), files.where("config.json"))
+    return CheckpointIndex(root, fmt, ordered, tuple(files_used), ignored, config)
 
 
 def resolve_inside(root: str, rel: str, source: str) -> str:
@@ -100,16 +141,24 @@ def resolve_inside(root: str, rel: str, source: str) -> str:
 
     `source` names where `rel` came from (an index file entry, a weight file) for the message.
     """
-    fix = "the checkpoint's weight files must live inside its directory (fix the index, or copy the file in)"
-    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")):
-        raise CheckpointError(f"{root}: {source}: absolute or empty paths are refused; {fix}")
-    if ".." in rel.replace("\\", "/").split("/"):
-        raise CheckpointError(f"{root}: {source}: paths containing '..' are refused; {fix}")
+    check_relative(root, rel, source)
     real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(root, rel))
     if not (_is_within(real, real_root) or _is_hf_cache_blob(root, real)):
-        raise CheckpointError(f"{root}: {source} is a symlink resolving to {real}, outside the checkpoint; {fix}")
+        raise CheckpointError(f"{root}: {source} is a symlink resolving to {real}, outside the checkpoint; "
+                              f"{INSIDE_FIX}")
     return real
+
+
+INSIDE_FIX = "the checkpoint's weight files must live inside its directory (fix the index, or copy the file in)"
+
+
+def check_relative(root: str, rel: str, source: str) -> None:
+    """CheckpointError unless `rel` is a relative path that names no parent (no '..', not absolute, not empty)."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")):
+        raise CheckpointError(f"{root}: {source}: absolute or empty paths are refused; {INSIDE_FIX}")
+    if ".." in rel.replace("\\", "/").split("/"):
+        raise CheckpointError(f"{root}: {source}: paths containing '..' are refused; {INSIDE_FIX}")
 
 
 def _is_within(path: str, directory: str) -> bool:
@@ -124,11 +173,6 @@ def _is_hf_cache_blob(root: str, real: str) -> bool:
         return False
     blobs = os.path.realpath(snapshot_parent.parent / "blobs")
     return os.path.isdir(blobs) and _is_within(real, blobs)
-
-
-def _top_level_files(root: str, suffixes: tuple[str, ...]) -> list[str]:
-    with os.scandir(root) as it:
-        return sorted(e.name for e in it if e.name.endswith(suffixes) and not e.is_dir())
 
 
 def _no_duplicate_keys(index_name: str):
@@ -148,11 +192,11 @@ def _no_duplicate_keys(index_name: str):
     return hook
 
 
-def _read_weight_map(index_path: str, index_name: str) -> dict[str, str]:
+def parse_weight_map(raw: bytes, index_path: str, index_name: str) -> dict[str, str]:
+    """The weight_map of an index json's bytes (tensor name -> file, one spelling per file)."""
     try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f, object_pairs_hook=_no_duplicate_keys(index_name))
-    except (OSError, ValueError) as e:  # ValueError: bad UTF-8, bad JSON, absurd number literals
+        index = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(index_name))
+    except ValueError as e:  # bad UTF-8, bad JSON, absurd number literals
         raise CheckpointError(f"{index_path}: cannot read index ({e}); fix or re-download it") from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -213,13 +257,18 @@ def _check_against_weight_map(tensors: dict[str, TensorEntry], weight_map: dict[
 
 
 def read_config(root: str) -> dict:
-    path = os.path.join(root, "config.json")
-    if not os.path.exists(path):
+    """config.json of directory `root` ({} where there is none)."""
+    files = DirectoryFiles(root)
+    return parse_config(files.read("config.json"), files.where("config.json"))
+
+
+def parse_config(raw: bytes | None, path: str) -> dict:
+    """config.json's bytes as a dict ({} for None: no config.json)."""
+    if raw is None:
         return {}
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: bad UTF-8, bad JSON, absurd number literals
+        config = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # bad UTF-8, bad JSON, absurd number literals
         raise CheckpointError(f"{path}: config.json is not valid JSON ({e}); fix or re-download it") from e
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config.json must hold a JSON object, got {type(config).__name__}")

@@ -20,7 +20,7 @@ from distload.errors import CheckpointError
 # Real headers are a few MiB at most (tens of thousands of tensors); a larger claim is corruption or an
 # attempt to make us allocate memory, so we refuse before reading it.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-_LENGTH_PREFIX_BYTES = 8
+LENGTH_PREFIX_BYTES = 8
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 
@@ -45,9 +45,36 @@ def parse_safetensors_header(path: str | os.PathLike, display_name: str | None =
     path = Path(path)
     shown = display_name or path.name
     header_bytes, file_size = _read_header_bytes(path, shown)
+    return entries_from_header(header_bytes, file_size, shown)
+
+
+def entries_from_header(header_bytes: bytes, file_size: int, shown: str) -> dict[str, TensorEntry]:
+    """The validated entries of a header (the bytes after the 8-byte length) of a `file_size`-byte file, however
+    they were fetched (a file, an object store's ranged GET)."""
     header = _decode_header(header_bytes, shown)
-    data_start = _LENGTH_PREFIX_BYTES + len(header_bytes)
+    data_start = LENGTH_PREFIX_BYTES + len(header_bytes)
     return _build_entries(header, shown, data_start, file_size - data_start)
+
+
+def header_length(prefix: bytes, file_size: int, shown: str) -> int:
+    """The header length a file's first 8 bytes claim, checked against the cap and the file's size."""
+    if len(prefix) < LENGTH_PREFIX_BYTES:
+        raise CheckpointError(
+            f"{shown}: file is {file_size} bytes, shorter than the 8-byte header length of a safetensors "
+            "file (truncated download?); re-download or re-save the file"
+        )
+    header_len = int.from_bytes(prefix[:LENGTH_PREFIX_BYTES], "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{shown}: header length {header_len} bytes exceeds the {MAX_HEADER_BYTES}-byte cap "
+            "(corrupt or not a safetensors file); re-download or re-save the file"
+        )
+    if LENGTH_PREFIX_BYTES + header_len > file_size:
+        raise CheckpointError(
+            f"{shown}: header length {header_len} bytes runs past the end of the {file_size}-byte file "
+            "(truncated or not a safetensors file); re-download the file"
+        )
+    return header_len
 
 
 def _read_header_bytes(path: Path, shown: str) -> tuple[bytes, int]:
@@ -57,23 +84,7 @@ def _read_header_bytes(path: Path, shown: str) -> tuple[bytes, int]:
             raise CheckpointError(f"{shown}: not a regular file ({path}); remove it from the checkpoint directory")
         with open(path, "rb") as f:
             file_size = os.fstat(f.fileno()).st_size
-            prefix = f.read(_LENGTH_PREFIX_BYTES)
-            if len(prefix) < _LENGTH_PREFIX_BYTES:
-                raise CheckpointError(
-                    f"{shown}: file is {file_size} bytes, shorter than the 8-byte header length of a safetensors "
-                    "file (truncated download?); re-download or re-save the file"
-                )
-            header_len = int.from_bytes(prefix, "little")
-            if header_len > MAX_HEADER_BYTES:
-                raise CheckpointError(
-                    f"{shown}: header length {header_len} bytes exceeds the {MAX_HEADER_BYTES}-byte cap "
-                    "(corrupt or not a safetensors file); re-download or re-save the file"
-                )
-            if _LENGTH_PREFIX_BYTES + header_len > file_size:
-                raise CheckpointError(
-                    f"{shown}: header length {header_len} bytes runs past the end of the {file_size}-byte file "
-                    "(truncated or not a safetensors file); re-download the file"
-                )
+            header_len = header_length(f.read(LENGTH_PREFIX_BYTES), file_size, shown)
             header_bytes = f.read(header_len)  # the one bounded read of the header; tensor data is never touched
     except OSError as e:
         raise CheckpointError(f"{shown}: cannot read safetensors header: {e}") from e

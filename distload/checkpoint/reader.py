@@ -34,7 +34,9 @@ _BOUNCE_BYTES = 8 * 1024 * 1024
 @runtime_checkable
 class Reader(Protocol):
     """What the transfer and the report ask of a checkpoint reader. read_into fills `out` (a contiguous
-    uint8 CPU tensor) with exactly its length of `file` at `offset` and returns the count; prefetch is a hint
+    uint8 CPU tensor) with exactly its length of `file` at `offset` and returns the count; read_many does so for
+    each (file, offset, out) of a list (one bucket's ranges: a reader that can fetch them at once, object storage,
+    does; the others read them in order) and returns the total; prefetch is a hint
     that a range is read soon (it may do nothing); close releases descriptors and threads. bytes_read and
     files_opened count what storage served (a wrapper's are its inner reader's); strategy is one of
     strategy.STRATEGIES, or None where none applies (memory)."""
@@ -46,6 +48,7 @@ class Reader(Protocol):
     @property
     def strategy(self) -> str | None: ...
     def read_into(self, file: str, offset: int, out: torch.Tensor, /) -> int: ...
+    def read_many(self, ranges, /) -> int: ...
     def prefetch(self, file: str, offset: int, nbytes: int, /) -> None: ...
     def close(self) -> None: ...
 
@@ -93,6 +96,10 @@ class RangeReader:
             with self._lock:
                 self.bytes_read += count
         return count
+
+    def read_many(self, ranges) -> int:
+        """read_into of each (file, offset, out) of `ranges`, in order."""
+        return sum(self.read_into(f, offset, out) for f, offset, out in ranges)
 
     def fd_of(self, entry_file: str) -> int:
         """This reader's descriptor of a safetensors file (opened on first use, closed by close())."""
@@ -300,6 +307,10 @@ class ReaderWrapper:
     def read_into(self, entry_file: str, offset: int, out) -> int:
         """The inner reader's bytes as they are (subclasses check or translate them)."""
         return self.inner.read_into(entry_file, offset, out)
+
+    def read_many(self, ranges) -> int:
+        """read_into of each range, in order (this wrapper's read_into: what a subclass checks or translates)."""
+        return sum(self.read_into(f, offset, out) for f, offset, out in ranges)
 
     def prefetch(self, entry_file: str, offset: int, nbytes: int) -> None:
         """Nothing: the ranges named are of the outer (virtual) file, not of the inner reader's files."""

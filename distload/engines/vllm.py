@@ -24,8 +24,9 @@ from vllm.distributed import parallel_state
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from ..checkpoint import discover
+from ..checkpoint.s3 import is_object_url
 from ..errors import DistloadError, OptionError
+from ..loader import source_for
 from ..options import LoadOptions, as_config_keys, declared
 from ..serving.names import NamingProfile, profile_for
 from .contract import destinations, fill_from_checkpoint, say_failures_last, surfaced
@@ -36,10 +37,40 @@ OPTIONS = tuple(f.name for f in declared(engine=True))
 
 
 def register() -> None:
-    """The vllm.general_plugins entry point: make load_format="distload" known to this process (and, in the
-    instance's top process, print the workers' distload errors last as it exits: contract.say_failures_last)."""
+    """The vllm.general_plugins entry point: make load_format="distload" known to this process, for object storage
+    too (allow_object_storage), and, in the instance's top process, print the workers' distload errors last as it
+    exits (contract.say_failures_last)."""
     register_model_loader(LOAD_FORMAT)(DistloadModelLoader)
+    allow_object_storage()
     say_failures_last()
+
+
+def allow_object_storage() -> None:
+    """Let vLLM hand an s3:// model to load_format="distload". vLLM pulls such a model's config and tokenizer into
+    a local folder (ModelConfig.model) and keeps the URL as model_config.model_weights, then refuses every load
+    format but its own object-storage loaders (VllmConfig.try_verify_and_update_config); distload fetches the
+    weights itself, so for its load format the URL is kept out of that one check. Idempotent."""
+    from vllm.config import VllmConfig
+
+    verify = VllmConfig.try_verify_and_update_config
+    if verify in _OURS:
+        return
+
+    def verify_letting_distload_fetch(self):
+        weights = self.model_config.model_weights if self.model_config is not None else ""
+        if self.load_config.load_format != LOAD_FORMAT or not is_object_url(weights):
+            return verify(self)
+        self.model_config.model_weights = ""
+        try:
+            return verify(self)
+        finally:
+            self.model_config.model_weights = weights
+
+    _OURS.add(verify_letting_distload_fetch)
+    VllmConfig.try_verify_and_update_config = verify_letting_distload_fetch
+
+
+_OURS: set = set()   # the verify wrapper once made (register runs again in every process vLLM starts)
 
 
 def vllm_profile() -> NamingProfile:
@@ -48,7 +79,7 @@ def vllm_profile() -> NamingProfile:
 
 
 class DistloadModelLoader(BaseModelLoader):
-    """Fills a vLLM model from a local Hugging Face checkpoint with distload."""
+    """Fills a vLLM model from a Hugging Face checkpoint (a local directory, or s3://) with distload."""
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
@@ -57,7 +88,7 @@ class DistloadModelLoader(BaseModelLoader):
 
     def download_model(self, model_config: ModelConfig) -> None:
         with surfaced(worker_rank()):
-            checkpoint_dir(model_config)
+            checkpoint_of(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         with surfaced(worker_rank()):
@@ -69,9 +100,10 @@ class DistloadModelLoader(BaseModelLoader):
         hf_config = model_config.hf_config
         if profile.is_draft(getattr(hf_config, "architectures", None)):   # the MTP layers as speculative draft
             profile, options = profile.as_draft(hf_config.num_hidden_layers), options.replace(mtp="only")
-        head_bias_as_vllm_makes_it(model, checkpoint_dir(model_config))
+        path = checkpoint_of(model_config)
+        head_bias_as_vllm_makes_it(model, path, options)
         into, copies = destinations(model, profile)
-        fill_from_checkpoint(str(checkpoint_dir(model_config)), into, instance_shape(), options, "vllm")
+        fill_from_checkpoint(path, into, instance_shape(), options, "vllm")
         for alias, target in copies:
             alias.copy_(into[target])
 
@@ -94,23 +126,28 @@ def worker_rank() -> int:
     return parallel_state.get_world_group().rank if parallel_state.model_parallel_is_initialized() else 0
 
 
-def head_bias_as_vllm_makes_it(model: nn.Module, path: Path) -> None:
+def head_bias_as_vllm_makes_it(model: nn.Module, path: str, options: LoadOptions) -> None:
     """vLLM's Transformers backend makes lm_head.bias only when its own loader meets the tensor (transformers/
     causal.py): make it here too when the checkpoint has one (Phi-2), so that the plan and the model agree."""
     head = getattr(model, "lm_head", None)
     if getattr(head, "bias", True) is None and hasattr(head, "_register_bias") and \
-            "lm_head.bias" in discover(str(path)).tensors:
+            "lm_head.bias" in source_for(path, options).discover().tensors:
         with torch.device(head.weight.device):
             head._register_bias()
 
 
-def checkpoint_dir(model_config: ModelConfig) -> Path:
+def checkpoint_of(model_config: ModelConfig) -> str:
+    """What distload loads: the s3:// URL of an object-storage model (vLLM pulled its config and tokenizer into
+    model_config.model and keeps the URL as model_weights), else the local checkpoint directory."""
+    weights = model_config.model_weights
+    if is_object_url(weights) or is_object_url(model_config.model):
+        return weights if is_object_url(weights) else model_config.model
     path = Path(model_config.model)
     if not path.is_dir():
-        raise DistloadError(f"load_format='distload' reads a local checkpoint directory; {model_config.model!r} "
-                            f"is not one: download it first (huggingface-cli download {model_config.model} "
-                            f"--local-dir DIR) and pass DIR")
-    return path
+        raise DistloadError(f"load_format='distload' reads a local checkpoint directory or an s3:// URL; "
+                            f"{model_config.model!r} is neither: download it first (huggingface-cli download "
+                            f"{model_config.model} --local-dir DIR) and pass DIR")
+    return str(path)
 
 
 def instance_shape() -> dict:

@@ -85,7 +85,7 @@ class ShardedSource:
     def after_landing(self, found, plan, rank: int, clock) -> dict:
         return {}  # checked inside the transfer (after_transfer): each rank its own files
 
-    def report_extra(self, manifest: dict, plan) -> dict:
+    def report_extra(self, manifest: dict, plan, per_rank=()) -> dict:
         saved = describe_topology(manifest["world_size"], manifest["tp"], manifest["ep"], None,
                                   manifest.get("pp", 1), manifest.get("pp_layers"))
         return {"saved_topology": saved, "resharded": self.resharded, "checksums": self.checksums}

@@ -12,10 +12,11 @@ same for every source; a source answers its few questions:
     open_reader(found, plan, rank, strategy, exact)  the reader of its files
     after_transfer(reader)           inside the transfer phase: report fields (checksums verified)
     after_landing(found, plan, rank, clock)    collective checks once every byte landed; report fields
-    report_extra(found, plan)        the report's source-specific fields
+    report_extra(found, plan, per_rank)  the report's source-specific fields (per_rank: every rank's record)
 
-The sources: Hugging Face safetensors / legacy .bin/.pt in a directory (`checkpoint.py`), torch.distributed.checkpoint
-directories (`dcp.py`) and distload's sharded saves (`sharded/reload.py`); loader.source_for picks one.
+The sources: Hugging Face safetensors / legacy .bin/.pt in a directory (`checkpoint.py`), safetensors in object
+storage (`object_store.py`, s3://), torch.distributed.checkpoint directories (`dcp.py`) and distload's sharded saves
+(`sharded/reload.py`); loader.source_for picks one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Origin:
     total_bytes: int
     source: str                        # the source checkpoint a save records
     checkpoint_tensors: dict | None = None   # a save's original tensors (None: the plan's sources)
+    local: bool = True                 # on a file system (False: object storage, where no read strategy applies)
 
 
 class Source(Protocol):
@@ -46,7 +48,7 @@ class Source(Protocol):
     def open_reader(self, found, plan, rank: int, strategy: str, exact: bool): ...
     def after_transfer(self, reader) -> dict: ...
     def after_landing(self, found, plan, rank: int, clock) -> dict: ...
-    def report_extra(self, found, plan) -> dict: ...
+    def report_extra(self, found, plan, per_rank=()) -> dict: ...
 
 
 def missing_config(root) -> CheckpointError:

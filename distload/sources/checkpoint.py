@@ -90,6 +90,6 @@ class CheckpointSource:
         clock.lap("verify-checksums")
         return {}
 
-    def report_extra(self, found, plan) -> dict:
+    def report_extra(self, found, plan, per_rank=()) -> dict:
         rules = rules_for(found.config, self.options.config, self.options.mtp)
         return {"quantization": plan.quantization, "mtp": report_fields(rules, found.config, plan.layout)}

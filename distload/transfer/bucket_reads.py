@@ -55,7 +55,7 @@ class BucketReads:
         upto = i + PREFETCH_BUCKETS + 1
         for later in self.mine[0 if i == 0 else upto - 1:upto]:
             self.prefetch(later)
-        at, direct = 0, []
+        at, direct, reads = 0, [], []
         for chunk in bucket.chunks:
             src = self.plan.sources[chunk.source]
             start, n = src.offset + chunk.rows[0] * src.row_bytes, (chunk.rows[1] - chunk.rows[0]) * src.row_bytes
@@ -70,11 +70,12 @@ class BucketReads:
             pos = 0
             for lo, hi, region in ranges + [(n, n, None)]:
                 if lo > pos:  # bytes others need (or that need converting): into the read buffer, same layout
-                    self.reader.read_into(src.file, start + pos, buf[at + pos:at + lo])
+                    reads.append((src.file, start + pos, buf[at + pos:at + lo]))
                 if region is not None:
-                    self.reader.read_into(src.file, start + lo, region)
+                    reads.append((src.file, start + lo, region))
                 pos = hi
             at += n
+        self.reader.read_many(reads)   # in this order; object storage fetches them at once
         return direct
 
     def prefetch(self, bucket: Bucket) -> None:

@@ -67,3 +67,22 @@ def torchrun_on_a_terminal(nproc: int, *args: str, env: dict | None = None, time
     finally:
         os.close(controller)
     return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+
+
+def torchrun_job(nproc: int, args: list[str], env: dict, cwd=None, timeout: float = 150) -> subprocess.CompletedProcess:
+    """`torchrun -m distload ARGS` on one node with exactly `env` (no inherited AWS_* or DISTLOAD_*), stdout and
+    stderr together; on a hang its whole session (the workers too) is killed and rc is None."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "distload", *args]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "DISTLOAD_"))}
+    full_env = {**base, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", **env}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        rc = None
+    return subprocess.CompletedProcess(cmd, rc, out, "")
