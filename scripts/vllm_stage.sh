@@ -25,7 +25,7 @@ else
     block=$(python3 tests/support/readme_blocks.py vllm-install) || exit 1
     printf '%s\n' "$block" | sed 's/^/  $ /'
     (cd "$home" && env -u VIRTUAL_ENV bash -euo pipefail -c "$block") || { echo "vllm stage: the README's install block failed"; exit 1; }
-    "$venv/bin/python" -m pip install -q "pytest>=8" "moto[server]>=5.0" || exit 1   # moto: the s3:// test's server
+    "$venv/bin/python" -m pip install -q "pytest>=8" "moto[server]==5.2.5" || exit 1   # moto: the s3:// test's server
     echo "$stamp" > "$venv/.distload-readme-install"
   fi
 fi
