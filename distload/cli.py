@@ -62,7 +62,7 @@ def cmd_load(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .inspect_cmd import describe_plan, inspect_load
+    from .inspect_cmd import describe_plan, inspect_load, prediction_lines
 
     from .options import PLAN
 
@@ -70,6 +70,8 @@ def cmd_inspect(args) -> int:
                               rank=args.rank)
     print(describe_plan(inspection.plan, inspection.route, rank=args.rank, per_rank=args.per_rank or None,
                         inspection=inspection))
+    if args.cluster:
+        print(prediction_lines(inspection.plan, args.cluster))
     return 0
 
 
@@ -146,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-world", type=int, default=None, help="ranks per node (default: all on one node)")
     p.add_argument("--rank", type=int, default=0, help="the rank whose planning, messages and bytes are shown")
     p.add_argument("--per-rank", action="store_true", help="the per-rank table at any world (default: up to 16)")
+    p.add_argument("--cluster", default=None, metavar="KEY=VALUE,...",
+                   help="predict the load time on a cluster of --world / --local-world GPUs, e.g. "
+                        "'storage=shared,storage-gbps=20,nic-gbit=400' (keys: distload/plan/predict.py KEYS)")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("demo", help="make a small checkpoint and load it (run under torchrun)")
     p.add_argument("path", nargs="?", default=None, help="where to write the demo checkpoint (default: a temp dir)")

@@ -18,6 +18,7 @@ from .errors import DistloadError
 from .loader import decide_route, source_for
 from .options import LoadOptions
 from .plan import LoadPlan
+from .plan.predict import describe_prediction, nodes_of, parse_cluster, predict
 from .plan.wire import BROADCAST, FANOUT, SEND, p2p_receivers, wire_ops
 from .topology import layout_for
 from .transfer.route import Route
@@ -229,3 +230,11 @@ def _ranges(ids: list[int]) -> str:
             out.append(f"{start}" if start == e else f"{start}-{e}")
             start = None
     return ",".join(out)
+
+
+def prediction_lines(plan: LoadPlan, cluster: str) -> str:
+    """`inspect --cluster`: distload's and every-rank-reads' predicted load times (plan/predict.py) on the
+    cluster the text describes, its nodes and GPUs per node those of the plan's layout."""
+    layout = plan.layout
+    spec = parse_cluster(cluster, nodes_of(plan), layout.world if layout.one_node else layout.local_world)
+    return "\n".join(describe_prediction(predict(plan, spec), spec, plan.checkpoint_bytes))

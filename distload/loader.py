@@ -133,10 +133,13 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
 
     # Rank 0 reads the headers before the rendezvous, where it would otherwise wait for ranks still
     # starting up; what it read, or the error, reaches every rank in the discover phase.
-    headers = outcome(discover) if rank == 0 else None
+    headers = None
+    if rank == 0:
+        headers = outcome(discover)
+        clock.lap("discover")
     topology.init_process_group(topo)
-    clock.lap("topology")
-    found = run_phase("discover", lambda: shared_from_rank0(headers))
+    clock.lap("topology", waited=True)   # the rendezvous: waiting for the job's other ranks to start
+    found = run_phase("discover", lambda: shared_from_rank0(headers), clock=clock)
     origin = source.origin(found)
     check_save_for_model(options.save_for, origin.config)   # the engine serves this model's save: before any read
     clock.lap("discover")
@@ -147,7 +150,7 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
         with within(options.timeout_s, "planning"):
             return source.plan(found, topo.layout, rank=rank)
 
-    plan = run_phase("planning", plan_within_timeout, digest=plan_digest)
+    plan = run_phase("planning", plan_within_timeout, digest=plan_digest, clock=clock)
     specs = plan.specs[rank]
     for note in plan.notes:
         log.info(note)
@@ -156,7 +159,7 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     record = source.before_transfer(found, plan, rank, clock)
 
     params, post = run_phase("allocate", lambda: destinations(plan, rank, topo.device, into,
-                                                              options.tuning.hugepages))
+                                                              options.tuning.hugepages), clock=clock)
     clock.lap("allocate")
 
     route, strategy = decide_route(source, found, plan, topo.device, rank, options)
@@ -164,12 +167,12 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
         plan, rank, params, topo.device, route=route, progress=options.progress,
         open_reader=lambda: source.open_reader(found, plan, rank, strategy, plan.layout.reads_by_node),
         on_bucket_done=post and post.on_bucket_done, after_transfer=lambda r: record.update(source.after_transfer(r)),
-        shm=options.tuning.shm)
+        shm=options.tuning.shm, clock=clock)
     clock.lap("transfer")
     record.update(source.after_landing(found, plan, rank, clock))
     written = transfer.stats.written
     if post is not None:  # steps not run during the transfer; the written record carried to the final params
-        written = run_phase("postprocess", lambda: post.finish(transfer.stats.written))
+        written = run_phase("postprocess", lambda: post.finish(transfer.stats.written), clock=clock)
         clock.lap("postprocess")
 
     record.update(rank_record(rank, transfer.stats, reader, topo.device))
@@ -178,14 +181,15 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     if post is not None:
         record.update(post.report())
     verdict = run_phase("reconcile", lambda: reconcile(plan, rank, params, written, strict=options.strict,
-                                                       report_record=record))
+                                                       report_record=record), clock=clock)
     clock.lap("reconcile")
     if options.check_finite:  # every source: each rank scans its own params for NaN/Inf
         verdict_everywhere("check-finite", lambda: nonfinite(params, specs), finite_verdict)
         clock.lap("check-finite")
     extra = {**source.report_extra(found, plan, verdict.rank_reports), "route": route.as_dict(),
              "tuning": options.tuning.as_dict()}
-    report = build_report(plan, verdict.rank_reports, clock.as_dict(), verdict, source=origin.root, extra=extra)
+    report = build_report(plan, verdict.rank_reports, clock.as_dict(), verdict, source=origin.root, extra=extra,
+                          waiting=clock.waiting_dict())
     result = LoadResult(params=params, specs=specs, report=report, plan=plan, verdict=verdict, config=origin.config,
                         rank=rank)
     return hand_off(result, clock, origin, options)
@@ -225,7 +229,7 @@ def hand_off(result: LoadResult, clock: PhaseClock, origin, options: LoadOptions
             out, engine = options.save_sharded, options.save_for
             run_phase(f"save for {engine}", lambda: export(engine, out) if result.rank == 0 else None)
             clock.lap(f"save for {engine}")
-        result.report["seconds"] = clock.as_dict()
+        result.report["seconds"], result.report["waiting"] = clock.as_dict(), clock.waiting_dict()
         result.report["saved_to"] = str(Path(options.save_sharded).absolute())
     if result.rank == 0:
         if options.report:

@@ -30,6 +30,7 @@ from .transfer import host_memory
 from .dtypes import torch_dtype
 from .reconcile import coverage
 from .plan.shard import view2d
+from .plan.buckets import transfer_order
 
 
 def _rotary_halves(step, finals, weight):
@@ -71,9 +72,11 @@ class PostProcess:
         self.device = torch.device(device)
         self.inputs = {n for step in self.steps for n in step.inputs}
         last: dict[str, int] = {}
-        for bucket in plan.buckets:
+        order = transfer_order(plan)   # as the transfer posts them: a step runs once its inputs' last bucket is in
+        self.position = {bucket.index: at for at, bucket in enumerate(order)}
+        for at, bucket in enumerate(order):
             for item in plan.items(bucket, rank):
-                last[item.param] = bucket.index
+                last[item.param] = at
         self.ready_at = [max(last.get(n, -1) for n in step.inputs) for step in self.steps]
         self.pending = deque(sorted(range(len(self.steps)), key=lambda i: self.ready_at[i]))
         self.done: set[str] = set()
@@ -122,7 +125,7 @@ class PostProcess:
 
     def on_bucket_done(self, bucket) -> None:
         """The transfer finished this rank's share of `bucket`: run every step whose inputs are all in."""
-        while self.pending and self.ready_at[self.pending[0]] <= bucket.index:
+        while self.pending and self.ready_at[self.pending[0]] <= self.position[bucket.index]:
             self._run(self.steps[self.pending.popleft()])
 
     def _run(self, step) -> None:

@@ -14,20 +14,37 @@ from .transfer.progress import rate, size
 
 
 class PhaseClock:
-    """Seconds per phase and in total, in the order the phases ran."""
+    """Seconds per phase and in total, in the order the phases ran; of each phase, the seconds this rank spent
+    waiting for the others (the rendezvous, each phase's agreement step) apart from its own work, so that a slow
+    or late rank shows as waiting on the others, not as work of theirs (`waiting` in the report)."""
 
     def __init__(self):
         self.start = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self.waits: dict[str, float] = {}
         self._last = self.start
+        self._waited = 0.0
 
-    def lap(self, phase: str) -> None:
+    def waiting(self, seconds: float) -> None:
+        """Part of the running phase was spent waiting for other ranks (transfer.agreement.run_phase says how long)."""
+        self._waited += seconds
+
+    def lap(self, phase: str, waited: bool = False) -> None:
+        """The phase since the last lap ends; waited: all of it was waiting for the other ranks (the rendezvous)."""
         now = time.perf_counter()
-        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - self._last, 6)
-        self._last = now
+        elapsed = now - self._last
+        wait = elapsed if waited else min(self._waited, elapsed)
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + elapsed - wait, 6)
+        if wait:
+            self.waits[phase] = round(self.waits.get(phase, 0.0) + wait, 6)
+        self._last, self._waited = now, 0.0
 
     def as_dict(self) -> dict[str, float]:
+        """Each phase's own seconds, and `total` (wall time: the phases plus `waiting_dict`'s)."""
         return {**self.seconds, "total": round(time.perf_counter() - self.start, 6)}
+
+    def waiting_dict(self) -> dict[str, float]:
+        return dict(self.waits)
 
 
 def process_io_read_bytes() -> int | None:
@@ -61,7 +78,8 @@ def rank_record(rank: int, stats, reader, device: str) -> dict:
     }
 
 
-def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str, extra: dict | None = None) -> dict:
+def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str, extra: dict | None = None,
+                 waiting: dict | None = None) -> dict:
     layout = plan.layout
     per_rank = [{**r, **layout.stage_record(r["rank"])} for r in per_rank]
     return {
@@ -80,6 +98,7 @@ def build_report(plan, per_rank: list[dict], seconds: dict, verdict, source: str
         "plan_part": {"rank": plan.planned_for, "sources": len(plan.sources), "buckets": len(plan.buckets)},
         "storage_bytes_read": sum(r["bytes_read"] for r in per_rank),
         "seconds": seconds,
+        "waiting": waiting or {},
         "per_rank": per_rank,
         "params": verdict.params if verdict is not None else 0,
         "missing": list(plan.missing),
@@ -104,6 +123,8 @@ def summary_line(report: dict) -> str:
     peak = max(r["peak_rss_bytes"] for r in report["per_rank"])
     peak_device = max(r.get("peak_device_bytes", 0) for r in report["per_rank"])
     on_device = f" peak_device={size(peak_device)}" if peak_device else ""
+    waited = sum((report.get("waiting") or {}).values())
+    waiting = f", {waited:.2f}s of it waiting for other ranks" if waited >= 0.005 else ""
     pp = f" pp={report['pp']}" if report.get("pp", 1) > 1 else ""
     mtp = report.get("mtp") or {}   # sources' report_extra: the MTP layers (mtp.report_fields)
     draft = f" mtp={mtp['mode']}(layers {','.join(map(str, mtp['layers']))})" if mtp.get("stage") is not None else ""
@@ -114,7 +135,7 @@ def summary_line(report: dict) -> str:
             f"world={report['world_size']} tp={report['tp']}{pp} ep={report['ep']} readers={len(report['readers'])} "
             f"param_shards={report['params']} (over {report['world_size']} ranks){draft} "
             f"checkpoint={size(report['checkpoint_bytes'])} read={size(read)} "
-            f"in {total:.2f}s ({rate(report['checkpoint_bytes'], total)}) peak_rss={size(peak)}{on_device};"
+            f"in {total:.2f}s ({rate(report['checkpoint_bytes'], total)}{waiting}) peak_rss={size(peak)}{on_device};"
             f"{fetched} {report['verdict']}")
 
 

@@ -186,6 +186,24 @@ def disk_read_bytes(device: tuple[int, int]) -> int | None:
     return None
 
 
+def node_counters() -> dict:
+    """This node's storage and link byte counters, where an emulated cluster (scripts/cluster.py) names them:
+    DISTLOAD_BENCH_DISK = "COUNTER_FILE MAJ:MIN" (a blkio cgroup's io_service_bytes), DISTLOAD_BENCH_NIC = the
+    node's interface (its bytes sent and received, L2)."""
+    out = {}
+    if disk := os.environ.get("DISTLOAD_BENCH_DISK"):
+        counter, dev = disk.rsplit(" ", 1)
+        for line in Path(counter).read_text().splitlines():
+            f = line.split()
+            if len(f) == 3 and f[0] == dev and f[1] == "Read":
+                out["storage_bytes"] = int(f[2])
+    if nic := os.environ.get("DISTLOAD_BENCH_NIC"):
+        stats = Path("/sys/class/net") / nic / "statistics"
+        out["sent_bytes"] = int((stats / "tx_bytes").read_text())
+        out["received_bytes"] = int((stats / "rx_bytes").read_text())
+    return out
+
+
 def proc_read_bytes() -> int:
     for line in Path("/proc/self/io").read_text().splitlines():
         if line.startswith("read_bytes:"):
@@ -300,7 +318,7 @@ class Context:
         for f in self.files:
             self.file_tensors[f].sort(key=lambda n: self.plan.sources[n].offset if n in self.plan.sources else 0)
         # Imports and set-up are not load time, for any loader.
-        self.mesh = None
+        self.mesh, self.phases = None, None   # phases: the last distload load's seconds per phase (its report)
         if "dcp" in loaders:
             import torch.distributed.checkpoint  # noqa: F401
             from torch.distributed.tensor import DTensor  # noqa: F401
@@ -367,6 +385,9 @@ def load_distload(ctx: Context, readers, read_strategy: str | None = None):
 
     result = distload.load(ctx.ckpt, tp=ctx.tp, pp=ctx.pp, readers=readers, staging_mib=ctx.staging_mib, progress=False,
                            device=ctx.device, read_strategy=read_strategy)
+    # this rank's, for the run's record: each phase's own seconds, and what it waited for the others
+    waiting = result.report.get("waiting", {})   # (absent from older distload's reports)
+    ctx.phases = {**result.report["seconds"], **{f"waiting {k}": v for k, v in waiting.items()}}
     return result.params, result.report["per_rank"][ctx.rank]["bytes_received"]
 
 
@@ -539,7 +560,7 @@ def worker(args) -> int:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    if rank == 0:
+    if rank == 0 and args.probes:
         nodes = world // ctx.local_world
         probes = {**bandwidth_probes(ckpt, ctx.files, ctx.device), "world": world, "nodes": nodes}
         Path(args.jsonl).with_name(f"probes-w{world}-n{nodes}.json").write_text(json.dumps(probes))
@@ -553,10 +574,13 @@ def worker(args) -> int:
     interpreter_rss = rss_bytes()
     if args.warmup:
         # One untimed load per loader first: what runs once per process (imports inside functions, lazily
-        # built caches, connection setup) is not load time for any of them.
+        # built caches, connection setup) is not load time for any of them. On shaped links a load of the
+        # benchmark's checkpoint takes minutes: there a small one of the same structure warms up instead.
+        warm_ctx = Context(Path(args.warmup_checkpoint), args.staging_mib, loaders, ctx.device, args.tp, args.pp) \
+            if args.warmup_checkpoint else ctx
         for loader in loaders:
             try:
-                params, _ = run_loader(ctx, loader)
+                params, _ = run_loader(warm_ctx, loader)
                 del params
             except (KeyboardInterrupt, SystemExit):
                 raise
@@ -578,10 +602,11 @@ def worker(args) -> int:
                 rss0 = rss_bytes()
                 dist.barrier()
                 disk0 = disk_read_bytes(device) if rank == 0 else None
+                node0 = node_counters() if local_rank == 0 else None
                 io0, cpu0 = proc_read_bytes(), cpu_seconds()
                 dist.barrier()
-                t0 = time.perf_counter()
-                error = None
+                t0, started_at = time.perf_counter(), time.time()
+                error, ctx.phases = None, None
                 try:
                     params, received = run_loader(ctx, loader)
                 except (KeyboardInterrupt, SystemExit):
@@ -593,10 +618,11 @@ def worker(args) -> int:
                 io = proc_read_bytes() - io0
                 dist.barrier()
                 disk = disk_read_bytes(device) - disk0 if rank == 0 and disk0 is not None else None
-                record = {"rank": rank, "seconds": seconds, "cpu_seconds": cpu, "io_read_bytes": io,
+                node = {k: v - node0[k] for k, v in node_counters().items()} if node0 is not None else None
+                record = {"rank": rank, "seconds": seconds, "cpu_seconds": cpu, "io_read_bytes": io, "node": node,
                           "peak_rss_bytes": interpreter_rss + max(0, peak_rss_bytes() - rss0),
                           "vmhwm_bytes": peak_rss_bytes(), "rss_before_bytes": rss0, "bytes_received": int(received),
-                          "shard_bytes": shard_bytes, "error": error,
+                          "shard_bytes": shard_bytes, "error": error, "phases": ctx.phases,
                           "fingerprint": fingerprint(params) if rep == 0 and error is None else None}
                 del params
                 per_rank = [None] * world
@@ -604,6 +630,7 @@ def worker(args) -> int:
                 if out is not None:
                     row = {"loader": loader, "cache": cache, "rep": rep, "world": world,
                            "nodes": world // ctx.local_world, "seconds": max(r["seconds"] for r in per_rank),
+                           "started_at": started_at,
                            "disk_read_bytes": disk, "per_rank": per_rank,
                            "checkpoint_bytes": ctx.plan.checkpoint_bytes}
                     out.write(json.dumps(row) + "\n")
@@ -946,6 +973,8 @@ def main(argv=None) -> int:
     w.add_argument("--caches", default="cold,warm")
     w.add_argument("--staging-mib", type=int, default=None)
     w.add_argument("--warmup", type=int, default=1)
+    w.add_argument("--warmup-checkpoint", default=None, help="warm up on this (small) checkpoint instead")
+    w.add_argument("--probes", type=int, default=1, help="0: skip the bandwidth probes")
     w.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     w.add_argument("--tp", type=int, default=None)
     w.add_argument("--pp", type=int, default=1)
@@ -1089,16 +1118,22 @@ def publish(out: Path, md: str, meta: dict) -> None:
     for name in ("results.json", "results.md", "bench.png"):
         if (out / name).exists():
             shutil.copy(out / name, dest / name)
-    text = (REPO / "BENCHMARKS.md").read_text() if (REPO / "BENCHMARKS.md").exists() else ""
-    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
-    block = (f"{begin}\nLatest run ({meta['date']}, {meta['bench_seconds']:.0f} s):\n\n"
-             f"![load time and storage bytes per loader and scenario](benchmarks/bench.png)\n\n{md}{end}")
+    publish_block("bench", f"Latest run ({meta['date']}, {meta['bench_seconds']:.0f} s):\n\n"
+                           f"![load time and storage bytes per loader and scenario](benchmarks/bench.png)\n\n{md}")
+    print(f"[bench] updated {REPO / 'BENCHMARKS.md'} and {dest}", flush=True)
+
+
+def publish_block(name: str, block: str) -> None:
+    """Put `block` between BENCHMARKS.md's `<!-- NAME:begin -->` and `<!-- NAME:end -->` (at its end if absent)."""
+    path = REPO / "BENCHMARKS.md"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{block}{end}"
     if begin in text and end in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
-        text = (text or "# Benchmarks\n\n") + "\n" + block + "\n"
-    (REPO / "BENCHMARKS.md").write_text(text)
-    print(f"[bench] updated {REPO / 'BENCHMARKS.md'} and {dest}", flush=True)
+        text += "\n" + block + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":

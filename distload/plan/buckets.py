@@ -137,3 +137,53 @@ def _bucket(index: int, reader: int, planned: tuple, world: int) -> Bucket:
     bcast, chunks, read, groups = planned
     return made(Bucket, index=index, reader=reader, broadcast=bcast, chunks=chunks, read_bytes=read, groups=groups,
                 world=world)
+
+
+TAIL_BUCKETS = 2
+
+
+def transfer_order(plan) -> tuple[Bucket, ...]:
+    """The order in which a rank posts its plan's buckets: the job-wide ones in index order (the same on every rank
+    of the job), each reader's block-own ones (spans.py's second phase) spread among that reader's job-wide ones
+    in proportion to their bytes. Job-wide rows are what crosses between nodes; read first and alone they made a
+    node's link the slower side at the start of a load and idle after it (BENCHMARKS.md, "Cluster"), spread out
+    they cross while the reader streams its own rows. Only the block's ranks take its own buckets and they all
+    plan the same part of the job, so they agree on this order; every other rank still sees the job-wide ones in
+    index order."""
+    first = plan.block_own_from
+    if first is None or first >= len(plan.buckets):
+        return plan.buckets
+    job_wide, own = plan.buckets[:first], plan.buckets[first:]
+    pending: dict[int, list[Bucket]] = {}
+    for b in own:
+        pending.setdefault(b.reader, []).append(b)
+    wide_bytes = dict.fromkeys(pending, 0)
+    for b in job_wide:
+        if b.reader in wide_bytes:
+            wide_bytes[b.reader] += b.read_bytes
+    # Spread all but the last TAIL_BUCKETS: those follow the job-wide ones, so storage is still busy while the
+    # last crossing bytes drain from the links.
+    own_bytes = {r: sum(b.read_bytes for b in bs[:-TAIL_BUCKETS]) for r, bs in pending.items()}
+    taken = {r: [0, 0] for r in pending}   # per reader: own buckets placed, their bytes
+    wide_done = dict.fromkeys(pending, 0)
+    out = []
+
+    def place(reader: int, progress: float) -> None:   # its own buckets due by `progress` of its job-wide bytes
+        queue, at = pending[reader], taken[reader]
+        while at[0] < len(queue) - TAIL_BUCKETS and at[1] <= progress * own_bytes[reader]:
+            out.append(queue[at[0]])
+            at[1] += queue[at[0]].read_bytes
+            at[0] += 1
+
+    alone = [r for r in pending if not wide_bytes[r]]   # readers with no job-wide bytes: by the job-wide count
+    for i, b in enumerate(job_wide):
+        if b.reader in pending:
+            place(b.reader, wide_done[b.reader] / wide_bytes[b.reader])
+            wide_done[b.reader] += b.read_bytes
+        for r in alone:
+            place(r, i / len(job_wide))
+        out.append(b)
+    for reader, queue in pending.items():   # what is left: after the job-wide ones, in index order
+        queue[:taken[reader][0]] = []
+    out += sorted((b for queue in pending.values() for b in queue), key=lambda b: b.index)
+    return tuple(out)

@@ -73,22 +73,26 @@ def _named_failures(phase: str, step: int, failed: int) -> RankFailure:
     return rank_failure(phase, named, failed)
 
 
-def run_phase(name: str, fn, *, digest=None):
+def run_phase(name: str, fn, *, digest=None, clock=None):
     """Run one phase on this rank, then its agreement step; returns fn()'s result on every rank that got
     one. Whatever fn raised, this rank still reaches the agreement (so no peer waits for it) and then
     raises it; a rank that was fine raises RankFailure naming the ranks that failed.
 
     digest (the planning phase): a function of the result giving a non-negative int that must be equal
-    on every rank; ranks holding different results are refused together (agree_on_planning)."""
+    on every rank; ranks holding different results are refused together (agree_on_planning).
+    clock (report.PhaseClock): told how long the agreement step took, mostly waiting for the slowest rank."""
     result, error = None, None
     try:
         result = fn()
     except BaseException as exc:  # every rank must reach the agreement step, whatever happened
         error = exc
+    start = time.perf_counter()
     if digest is None:
         agree(name, error)
     else:
         agree_on_planning(error, result, digest, phase=name)
+    if clock is not None:
+        clock.waiting(time.perf_counter() - start)
     return result
 
 

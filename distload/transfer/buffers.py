@@ -88,10 +88,11 @@ def map_peer_fd(pid: int, fd: int) -> mmap.mmap:
 
 
 class BufferPool:
-    """Fixed, reused staging buffers: first-touch page faults cost 3-7x a warm copy, so allocate once."""
+    """Fixed, reused staging buffers: first-touch page faults cost 3-7x a warm copy, so allocate once. Last in,
+    first out: the buffers the pipeline needs stay warm, and the pages of those it never needs are never touched."""
 
     def __init__(self, count: int, nbytes: int, device: torch.device, pin: bool = False, buffers=None):
-        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        self.free: queue.LifoQueue[torch.Tensor] = queue.LifoQueue()
         if buffers is None:
             buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=True) if pin
                        else host_memory.empty((max(nbytes, 1),), torch.uint8, device) for _ in range(count)]

@@ -19,13 +19,13 @@ WIRE = Route("wire", "the bucketed transfer")
 
 def transfer_phase(plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], device, *, route: Route = WIRE,
                    open_reader=None, progress: bool | str = False, on_bucket_done=None, after_transfer=None,
-                   phase: str = "transfer", shm: bool = True):
+                   phase: str = "transfer", shm: bool = True, clock=None):
     """The transfer on this rank, ended by its agreement step: a rank with files to read opens its reader
     (open_reader()), the bytes move by `route`, padding is zeroed, after_transfer(reader) runs. Returns
     (reader, mover: its .stats, route taken); shm: the wire may stage through a node's shared memory
-    (options.Tuning.shm); progress: the option (progress.mode_of: a bar or log lines on rank 0, on every route).
-    A node-pulls route whose handover of the reader's files fails (every rank learns it together) takes the wire
-    instead, with that reason."""
+    (options.Tuning.shm); progress: the option (progress.mode_of: a bar or log lines on rank 0, on every route);
+    clock: told how long the agreement waited (report.PhaseClock). A node-pulls route whose handover of the
+    reader's files fails (every rank learns it together) takes the wire instead, with that reason."""
     reader, mover, taken = None, None, route
     mode = mode_of(progress, rank)
     # Rank 0's bar: on owner reads its own pieces (every rank copies its own alike); else its place in the plan's
@@ -60,7 +60,7 @@ def transfer_phase(plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], d
             after_transfer(reader)
 
     try:
-        run_phase(phase, move)
+        run_phase(phase, move, clock=clock)
     finally:
         if reader is not None:
             reader.close()

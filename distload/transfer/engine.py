@@ -10,6 +10,7 @@ from .. import faults
 from ..checkpoint import Reader
 from ..errors import DistloadError
 from ..plan import Bucket, LoadPlan
+from ..plan.buckets import transfer_order
 from ..plan.wire import (BROADCAST, FANOUT, PACKED, SHM_DONE, SHM_DONE_BYTES, SHM_TOKEN, SHM_TOKEN_BYTES, describe,
                          from_reader, p2p_bytes, p2p_receivers, via_shm, wire_ops)
 from .agreement import LostPeer
@@ -18,6 +19,12 @@ from .buffers import BufferPool, ReadAhead, SharedSlots, TransferStats, attach_s
 from .fanout import FanOut, close_groups, fanout_bytes, make_groups
 from .pieces import ParamWriter, item_block, landing_region, message
 from .posting import StandIn, post_all
+
+# Buckets in flight per reader this rank takes bytes from (or is), up to MAX_DEPTH: the readers' buckets take turns in
+# the transfer order, so a window of a fixed number of buckets left all but a few of a node's peers idle at 4 and
+# 8 nodes (BENCHMARKS.md, "Cluster"). Buffers beyond what the wire holds are never touched (BufferPool is LIFO).
+DEPTH_PER_READER = 2
+MAX_DEPTH = 16
 
 
 class Transfer:
@@ -36,12 +43,11 @@ class Transfer:
     """
 
     def __init__(self, plan: LoadPlan, rank: int, params: dict[str, torch.Tensor], reader: Reader | None = None,
-                 device: torch.device | str = "cpu", depth: int = 2, progress=None, on_bucket_done=None,
+                 device: torch.device | str = "cpu", depth: int | None = None, progress=None, on_bucket_done=None,
                  shm: bool = True):
         self.plan, self.rank, self.params, self.reader = plan, rank, params, reader
         self.on_bucket_done = on_bucket_done  # called with each bucket once this rank's share of it has landed
         self.device = torch.device(device)
-        self.depth = max(1, depth)
         self.progress = progress
         self.stats = TransferStats()
         self.error: BaseException | None = None
@@ -49,7 +55,9 @@ class Transfer:
         self.writer = ParamWriter(plan, rank, params, self.stats)
         # Collective over the world: first, so that every rank makes the fan-out groups before anything here fails.
         self.groups = make_groups(plan)
-        mine = [b for b in plan.buckets if b.reader == rank]
+        self.order = transfer_order(plan)
+        mine = [b for b in self.order if b.reader == rank]
+        self.depth = max(1, depth or window(plan, rank))
         biggest_read = max((b.read_bytes for b in plan.buckets), default=0)
         biggest_recv = max((b.read_bytes if b.broadcast else p2p_bytes(b, rank) for b in plan.buckets), default=0)
         biggest_send = max((sum(p2p_bytes(b, d) for d in p2p_receivers(b)) for b in mine if not b.broadcast), default=0)
@@ -302,9 +310,10 @@ class Transfer:
         if self.read_ahead is not None:
             self.read_ahead.start()
         in_flight: deque = deque()
+        active = 0   # buckets in flight with ops of this rank: those alone hold buffers and take the window
         try:
             standing_in = False
-            for bucket in self.plan.buckets:
+            for bucket in self.order:
                 if not standing_in:
                     try:
                         faults.hit("transfer")  # test hook (DISTLOAD_FAULT), a no-op otherwise
@@ -318,7 +327,9 @@ class Transfer:
                 if standing_in:
                     in_flight.append((bucket, *self._post_stand_in(bucket)))
                 self.stats.buckets += 1
-                if len(in_flight) > self.depth:
+                active += _holds(in_flight[-1])
+                while in_flight and (active > self.depth or not _holds(in_flight[0])):
+                    active -= _holds(in_flight[0])
                     self._complete(*in_flight.popleft())
                 if self.progress is not None:
                     self.progress(bucket)
@@ -339,3 +350,16 @@ class Transfer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self.stats
+
+
+def window(plan: LoadPlan, rank: int) -> int:
+    """Buckets this rank keeps in flight: DEPTH_PER_READER per reader it takes bytes from or is, up to MAX_DEPTH."""
+    readers = {b.reader for b in plan.buckets
+               if b.reader == rank or (b.broadcast and b.read_bytes) or p2p_bytes(b, rank) or fanout_bytes(plan, b, rank)}
+    return min(MAX_DEPTH, DEPTH_PER_READER * max(1, len(readers)))
+
+
+def _holds(posted) -> bool:
+    """Does a posted bucket (bucket, works, finish, fan) have ops of this rank in flight (and with them buffers)?"""
+    _, works, _, fan = posted
+    return bool(works) or bool(fan)

@@ -1,6 +1,6 @@
 """Object storage's pure parts (checkpoint/s3/): URLs, how ranges become GETs, the bandwidth cap on a given clock, the
 node cache on a temporary folder, the options of one kind of checkpoint, and the header parser on fetched bytes.
-The load itself against a real S3 server: tests/ranks/test_object_store.py and tests/jobs/test_object_store_jobs.py."""
+The load itself against a real S3 server: tests/ranks/test_object_store_ranks.py and tests/jobs/test_object_store_jobs.py."""
 
 from __future__ import annotations
 

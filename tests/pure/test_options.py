@@ -14,7 +14,7 @@ from distload.cli import build_parser, load_options
 from distload.errors import DistloadError
 from distload.options import LOAD, PLAN, LoadOptions, declared, flag_of
 
-INSPECT_ONLY = {"world", "local_world", "rank", "per_rank"}   # where inspect looks from, not what is planned
+INSPECT_ONLY = {"world", "local_world", "rank", "per_rank", "cluster"}   # where inspect looks from, not what is planned
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:

@@ -164,3 +164,13 @@ def test_tests_sit_in_the_folder_of_their_kind():
     assert not misplaced, f"test modules outside tests/{{{','.join(TEST_KINDS)}}}/:\n" + "\n".join(misplaced)
     loose = [p.name for p in tests_dir.glob("*.py") if p.name != "conftest.py"]
     assert not loose, f"modules directly in tests/ (helpers go to tests/{SUPPORT}/): {loose}"
+
+
+def test_test_module_basenames_are_unique():
+    """pytest imports tests/<kind>/ modules by basename (rootdir-relative, no packages): two test_x.py in two kinds
+    stop collection with 'import file mismatch' on a clean clone."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    twins = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twins, f"test modules sharing a basename (rename one): {twins}"
