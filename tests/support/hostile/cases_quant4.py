@@ -116,7 +116,7 @@ CASES = [
     Case("nvfp4-scale-2-bf16", _case("nvfp4", _set(SCALE_2, lambda t: t.to(torch.bfloat16))), base=BASE,
          names=(SCALE_2, "BF16", "F32")),
     Case("nvfp4-scale-2-vector-1", _case("nvfp4", _set(SCALE_2, lambda t: t.reshape(1))), base=BASE, expect="ok"),
-    # each part dequantized with its own global scale; values: tests/ranks/test_quant4_values.py
+    # loads only: the reference quantizer gave these tiny parts equal global scales (values not compared here)
     Case("nvfp4-gate-up-own-scales-dequantize", _case("nvfp4", _nothing, dequantize=True, skew=True), base=BASE,
          expect="ok"),
     Case("nvfp4-gate-up-own-scales", _case("nvfp4", _nothing, skew=True), base=BASE, expect="ok"),
