@@ -12,13 +12,41 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import kernels
-from .format import refuse_kind
-from .packed import PackedFormat, packed_op
+from ..errors import CheckpointError
+from .packed import PackedFormat, PackedStep, packed_op
 from .packed_table import IN, INT_FLOAT_DTYPES, ONE, OUT, Cut, parse_group
+from .format import refuse_kind
+
+
+@dataclass(frozen=True)
+class GptqStep(PackedStep):
+    """A GPTQ step with what a refusal of its g_idx names: the checkpoint's g_idx, the groups of the whole input."""
+    g_idx_source: str = ""
+    groups: int = 0
+    in_features: int = 0
+
+
+def check_g_idx(step, g_idx) -> None:
+    """Act-order g_idx maps each input to one of the whole input's groups: a value outside 0..groups-1 would
+    index another row of the scales (negative: from the end) or past them."""
+    bad = (g_idx < 0) | (g_idx >= step.groups)
+    if bool(bad.any()):
+        values = sorted(set(g_idx[bad].reshape(-1).tolist()))
+        shown = ", ".join(map(str, values[:4])) + (f" (and {len(values) - 4} more)" if len(values) > 4 else "")
+        raise CheckpointError(f"{step.g_idx_source}: g_idx holds {shown}, but act-order group indices run "
+                              f"0..{step.groups - 1} ({step.in_features} inputs / group_size {step.group} = "
+                              f"{step.groups} groups); the checkpoint is damaged: export it again")
+
+
+def _check_op(step, finals, g_idx):
+    check_g_idx(step, g_idx)
+    return (g_idx,)
 
 
 def _matrix(step, t: dict, dtype):
     g_idx = t.get("g_idx") if step.use_g_idx else None
+    if g_idx is not None:
+        check_g_idx(step, g_idx)
     return kernels.dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=step.group or -1,
                                    dtype=dtype)
 
@@ -32,7 +60,7 @@ class Gptq(PackedFormat):
     name: ClassVar[str] = "gptq"
     declared_by: ClassVar[str] = "gptq (quant_method gptq, 4 bits, checkpoint_format gptq)"
     dequantize_op: ClassVar[str] = "dequantize_gptq"
-    OPS: ClassVar[dict] = {"dequantize_gptq": packed_op(_matrix)}
+    OPS: ClassVar[dict] = {"dequantize_gptq": packed_op(_matrix), "check_gptq_g_idx": _check_op}
 
     @staticmethod
     def declares(qc: dict) -> bool:
@@ -64,4 +92,20 @@ class Gptq(PackedFormat):
         return [(IN, self.group, f"{self.group}-value group of its scales")] if self.group else []
 
     def step(self, weight, tensors, spec, lay, target, index, **extra):
-        return super().step(weight, tensors, spec, lay, target, index, use_g_idx=self.desc_act)
+        return super().step(weight, tensors, spec, lay, target, index, GptqStep, use_g_idx=self.desc_act,
+                            **self._g_idx_fields(tensors, target, index))
+
+    def check_steps(self, weight, tensors, target, index) -> list:
+        """Served packed: with act-order, its g_idx checked as it lands (what --dequantize checks in its step)."""
+        g_idx = [p for p in tensors if p.suffix == "g_idx"]
+        if not self.desc_act or not g_idx:
+            return []
+        return [GptqStep("check_gptq_g_idx", (g_idx[0].name,), (g_idx[0].name,), group=self.group,
+                         **self._g_idx_fields(tensors, target, index))]
+
+    def _g_idx_fields(self, tensors, target, index) -> dict:
+        g_idx = next((p for p in tensors if p.suffix == "g_idx"), None)
+        if g_idx is None or not self.desc_act:
+            return {}
+        in_f = index[g_idx.sources[0]].shape[-1]
+        return dict(g_idx_source=g_idx.sources[0], in_features=in_f, groups=-(-in_f // (self.group or in_f)))

@@ -54,5 +54,5 @@ class Nvfp4(PackedFormat):
 
     def cuts(self, in_features: int) -> dict[str, Cut]:
         return {"weight_scale": Cut((OUT, 1), (IN, BLOCK), ("F8_E4M3",)), "weight": Cut((OUT, 1), (IN, 2), ("U8",)),
-                "weight_scale_2": Cut((ONE, 1), (ONE, 1), ("F32",), per_part=True),
-                "input_scale": Cut((ONE, 1), (ONE, 1), ("F32",), optional=True, per_part=True)}
+                "weight_scale_2": Cut((ONE, 1), (ONE, 1), ("F32",), per_part=True, scalar=True),
+                "input_scale": Cut((ONE, 1), (ONE, 1), ("F32",), optional=True, per_part=True, scalar=True)}

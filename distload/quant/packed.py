@@ -56,6 +56,10 @@ class PackedFormat(Format):
         """suffix -> Cut, the tensor that marks a quantized linear first."""
         raise NotImplementedError(type(self).__name__)
 
+    def check_steps(self, weight: str, tensors: list, target, index: dict) -> list[Step]:
+        """Served packed: the steps that check a companion's values as it lands (GPTQ's g_idx); none by default."""
+        return []
+
     def extra_units(self) -> list[tuple[str, int, str]]:
         """(axis, unit, what) edges the format needs beyond its tensors' packs (GPTQ: whole groups)."""
         return []
@@ -79,10 +83,9 @@ class PackedFormat(Format):
         return packed_layouts(self, planned, view.companions, targets, view.index, layout.tp, relayout)
 
     def finalize(self, view: View, staging, planned: dict, logical: dict, targets: dict):
-        """(final specs per rank, steps per rank, note): the packed params as they are, or one dequantize step
-        per quantized linear on each rank that holds it (its packed tensors gone, its BF16 weight in place)."""
-        if not self.dequantize:
-            return staging, [() for _ in staging], self.describe()
+        """(final specs per rank, steps per rank, note): the packed params as they are (with the format's value
+        checks), or one dequantize step per quantized linear on each rank that holds it (its packed tensors gone,
+        its BF16 weight in place)."""
         final = [dict(specs) for specs in staging]
         steps: list[list[Step]] = [[] for _ in staging]
         for weight, tensors in by_weight(view.companions, logical).items():
@@ -90,6 +93,9 @@ class PackedFormat(Format):
             for r, (spec, lay) in enumerate(zip(specs, lays)):
                 if spec.style == "expert" and not spec.experts:
                     continue  # this rank hosts no expert: nothing to rewrite
+                if not self.dequantize:
+                    steps[r] += self.check_steps(weight, tensors, targets[weight], view.index)
+                    continue
                 for p in tensors:
                     del final[r][p.name]
                 final[r][weight] = replace(spec, dtype=DEQUANTIZED_DTYPE)

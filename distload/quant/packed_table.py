@@ -20,6 +20,7 @@ class Cut:
     per_part: bool = False           # not cut: every rank holds every part's
     whole_in: bool = False           # when the input is cut, every rank still holds all of it (GPTQ desc_act)
     flat: bool = False               # stored flat (bitsandbytes): planned as its [rows, cols] view
+    scalar: bool = False             # one number per part (NVFP4's global scale): shape [] or [1]
 
 
 def expected_view(cut: Cut, out_f: int, in_f: int) -> tuple[int, int]:

@@ -28,8 +28,10 @@ def logical_view(scheme, targets, tensors: dict, rules, config: dict) -> View:
     """Logical weights for the targets whose parts are packed in `scheme`'s format (packed.PackedFormat), their
     packed tensors as companions; the other targets as they are."""
     marker = next(iter(scheme.cuts(1)))
+    # a part with any of the format's own tensors is packed (its marker missing is then named, not the part)
+    own = [suffix for suffix in scheme.cuts(1) if suffix != "weight"]
     quantized = {t.name for t in targets if t.name.endswith("weight") and all(s.endswith(".weight") for s in t.sources)
-                 and any(with_suffix(s, marker) in tensors for s in t.sources)}
+                 and any(with_suffix(s, suffix) in tensors for s in t.sources for suffix in own)}
     dtype = weight_dtype([t for t in targets if t.name not in quantized], tensors) or "BF16"
     rename = "weight" in scheme.cuts(1)
     index, out_targets, packed = dict(tensors), [], []  # names of the checkpoint, and of the logical weights
@@ -41,8 +43,12 @@ def logical_view(scheme, targets, tensors: dict, rules, config: dict) -> View:
         unsupported = t.rule.style == "vocab" or (t.rule.style == "expert" and (t.rule.stacked or
                                                                                  not scheme.experts_supported))
         if unsupported or len(present) != len(t.sources):
+            lacking = [with_suffix(s, marker) for s in t.sources if s not in present
+                       and any(with_suffix(s, suffix) in tensors for suffix in own)]
             what = (f"packed 4-bit vocab params, stacked experts and {scheme.name} experts are not planned; "
                     "dequantize them first" if len(present) == len(t.sources) else
+                    f"the checkpoint lacks {names.describe(lacking)}, which every packed {scheme.name} linear has "
+                    f"beside its other tensors; the checkpoint is incomplete" if lacking else
                     f"only {names.describe(present)} of its parts are packed; the checkpoint is incomplete")
             raise PlanError(f"{t.name} (rule {t.rule.style}, {scheme.label()}): {what}")
         shapes = _logical_shapes(t, tensors, scheme, rules, config)
@@ -114,13 +120,19 @@ def _check_tensor(entry, cut: Cut, shape: tuple[int, int], scheme, target: str) 
     if entry.dtype not in cut.dtypes:
         raise PlanError(f"{entry.name}: stored as {entry.dtype}, but {scheme.name} stores it as "
                         f"{' or '.join(cut.dtypes)} ({scheme.label()}); the checkpoint does not match its config")
+    if cut.scalar and math.prod(entry.shape) != 1:
+        raise PlanError(f"{entry.name}: shape {list(entry.shape)}, but {scheme.name} stores one number per part "
+                        f"there (shape [] or [1]) ({scheme.label()}); the checkpoint does not match its format: "
+                        f"export it again")
     if cut.per_part:
         return
     out_f, in_f = shape
     for axis, unit in (cut.rows, cut.cols):
         size = {OUT: out_f, IN: in_f, ONE: 1}[axis]
         if size % unit:
-            raise PlanError(f"{entry.name}: the {axis}put size {size} of {target} is not a multiple of {unit} "
+            what = (f"{'group_size' if scheme.unit_name == 'group' else scheme.unit_name} {unit}"
+                    if axis == IN and unit == scheme.group else str(unit))
+            raise PlanError(f"{entry.name}: the {axis}put size {size} of {target} is not a multiple of {what} "
                             f"({scheme.label()}); config.json and the checkpoint disagree")
     want = expected_view(cut, out_f, in_f)
     if cut.flat:

@@ -67,8 +67,12 @@ class ScaledFormat(Format):
                                                     self.where):
             dtypes = sorted({tensors[s].dtype for s in t.sources})
             if quantized and dtypes != [self.stored_dtype]:
-                raise PlanError(f"{t.name}: has {self.scale_suffix} tensors but its weights are {', '.join(dtypes)}; "
-                                f"{self.where} needs {self.stored_dtype} weights next to their scales")
+                odd = [s for s in t.sources if tensors[s].dtype != self.stored_dtype]   # the tensors to fix
+                part = f" (part of {t.name})" if odd != [t.name] else ""
+                raise PlanError(f"{names.describe(odd)}{part}: stored as "
+                                f"{', '.join(sorted({tensors[s].dtype for s in odd}))} beside its "
+                                f"{self.scale_suffix}, but {self.where} needs {self.stored_dtype} weights next to "
+                                f"their scales; quantize it like the others or export the checkpoint again")
             if not quantized and self.stored_dtype in dtypes:
                 raise PlanError(f"{t.name}: {self.stored_dtype} weights without "
                                 f"{with_suffix(t.sources[0], self.scale_suffix)} ({self.where}); the checkpoint is "

@@ -159,7 +159,11 @@ class _Parser:
             raise RuleError(f"{self.where}: {self.alternative!r}: {name} is {str(value).lower()}, a flag, not a "
                             f"size; choose a size by it with `{name} ? a : b`")
         if not isinstance(value, int):
-            raise RuleError(f"{self.where}: {self.alternative!r}: {name} = {value!r} is not an integer")
+            # a present key of the wrong type is the config's fault, never taken as absent
+            fix = int(value) if isinstance(value, str) and value.strip().isdigit() else "an integer"
+            raise RuleError(f"{self.where}: {self.alternative!r}: {name} = {value!r} is not an integer: config.json "
+                            f"has {name} as a {type(value).__name__}, where a size is a JSON number; write it as "
+                            f'"{name}": {fix} in config.json')
         self.used.append(name)
         return value
 

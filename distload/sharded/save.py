@@ -29,6 +29,7 @@ from ..errors import CheckpointError
 from ..plan.reshard import rank_file
 from ..transfer import broadcast_object
 from ..transfer.collectives import count_over_ranks, gather_objects
+from ..transfer.progress import size
 from ..transfer.agreement import run_phase
 from .manifest import DIGEST, FORMAT, FORMAT_VERSION, MANIFEST, byte_view, hidden, manifest_digest, siblings
 
@@ -143,8 +144,9 @@ def check_free_space(out: Path, needed: int) -> None:
     existing = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < needed:
-        raise CheckpointError(f"--save-sharded {out}: the save needs {needed / 2**30:.2f} GiB, {existing} has "
-                              f"{free / 2**30:.2f} GiB free; free space there or save elsewhere")
+        # Each size in the unit that shows it (a small save in GiB read "0.00 GiB, ... has 0.00 GiB free").
+        raise CheckpointError(f"--save-sharded {out}: the save needs {size(needed)}, {existing} has "
+                              f"{size(free)} free; free space there or save elsewhere")
 
 
 _OS_ERROR_FIX = {errno.ENOSPC: "the disk is full: free space there or save elsewhere",

@@ -255,6 +255,9 @@ def test_eval_dim_none_present_names_the_expression_and_the_absent_keys():
 @pytest.mark.parametrize("expr,config,needle", [
     ("flag|3", {"flag": True}, "flag is true, a flag, not a size; choose a size by it with `flag ? a : b`"),
     ("x|4", {"x": 2.5}, "x = 2.5 is not an integer"),
+    ("num_key_value_heads|num_attention_heads", {"num_key_value_heads": "2", "num_attention_heads": 4},
+     "num_key_value_heads = '2' is not an integer: config.json has num_key_value_heads as a str, where a size is a "
+     'JSON number; write it as "num_key_value_heads": 2 in config.json'),
     ("a/b|7", {"a": 5, "b": 2}, "'a/b|7': 5/2 is not a whole number"),
     ("a/b|7", {"a": 5, "b": 0}, "'a/b|7': 5/0 is not a whole number"),
     ("f ? 1 : 2", {"f": "yes"}, "f = 'yes' is not a flag"),

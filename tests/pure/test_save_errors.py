@@ -4,6 +4,7 @@ failed on (never a raw OSError), and one that cannot fit is refused before a byt
 from __future__ import annotations
 
 import errno
+import shutil
 
 import pytest
 
@@ -13,10 +14,19 @@ from distload.sharded.save import check_free_space, named_os_errors
 
 def test_no_room_refused_before_writing(tmp_path):
     out = tmp_path / "new" / "save"
-    with pytest.raises(CheckpointError, match=r"--save-sharded .*needs 1048576\.00 GiB.*GiB free"):
+    with pytest.raises(CheckpointError, match=r"--save-sharded .*needs 1125\.9 TB, .* has \S+ [kMGT]?B free"):
         check_free_space(out, 2 ** 50)
     check_free_space(out, 1)
     assert not (tmp_path / "new").exists()
+
+
+def test_no_room_for_a_small_save_names_sizes_that_are_not_zero(tmp_path, monkeypatch):
+    # a disk with 640 bytes free and a 3.5 MB save: each in a unit that shows it, never "0.00 GiB"
+    monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10 ** 9, 10 ** 9 - 640, 640))
+    with pytest.raises(CheckpointError) as info:
+        check_free_space(tmp_path / "save", 3_500_000)
+    message = str(info.value)
+    assert "needs 3.50 MB" in message and "has 640 B free" in message and "0.00" not in message
 
 
 @pytest.mark.parametrize("code,fix", [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only"),
