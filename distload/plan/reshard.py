@@ -172,8 +172,9 @@ def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int, quan
     index = _checkpoint_index(manifest)
     config = manifest["hf_config"]
     old = build_plan(index, config, rules, saved_layout(manifest), strict=False, quantization=quantization)
-    if any(old.post):
-        kinds = sorted({step.op for steps in old.post for step in steps})
+    rewrites = [step for steps in old.post for step in steps if not step.only_checks]
+    if rewrites:
+        kinds = sorted({step.op for step in rewrites})
         raise PlanError(f"--reshard: the save holds params made by post-load steps ({', '.join(kinds)}"
                         + (f"; {old.quantization}" if old.quantization else "") + "); re-cutting them is not "
                         "supported: reload it on its own topology, or load the original checkpoint")

@@ -59,6 +59,11 @@ class Step:
     inputs: tuple[str, ...]            # staging params read (a weight first)
     outputs: tuple[str, ...]           # final params written (a weight first)
 
+    @property
+    def only_checks(self) -> bool:
+        """A check_* op leaves its params as they landed: a save holding them holds the checkpoint's cut."""
+        return self.op.startswith("check_")
+
 
 @dataclass(frozen=True)
 class Delivery:
