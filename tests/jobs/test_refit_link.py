@@ -1,0 +1,42 @@
+"""Issue 35: a trainer job and a serving job (two real torchruns) joined by distload.join_refit; after a refit
+every serving rank's params equal a fresh distload.load of the trainer's new weights saved as a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hf_models import save_checkpoint
+from spawn import free_port
+
+CASES = Path(__file__).resolve().parents[1] / "support" / "refit_cases.py"
+
+
+def _torchrun(nproc: int, role: str, cases: Path, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{free_port()}", "--nproc-per-node", str(nproc), str(CASES), "--role", role,
+           "--cases", str(cases), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_fsdp2_trainer_refits_tp2_serving_exactly(tmp_path):
+    old, new = save_checkpoint("llama", tmp_path / "old", seed=0), save_checkpoint("llama", tmp_path / "new", seed=1)
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps([{"name": "fsdp_llama_tp2", "old": str(old), "new": str(new), "trainer": "fsdp",
+                                  "trainers": 2, "serving": {"tp": 2}, "port": free_port(), "dtype": "float32"}]))
+    out = tmp_path / "out"
+    out.mkdir()
+    jobs = [_torchrun(2, "serving", cases, out), _torchrun(2, "trainer", cases, out)]
+    logs = [j.communicate(timeout=300)[0] for j in jobs]
+    assert all(j.returncode == 0 for j in jobs), "\n".join(logs)
+    for rank in range(2):
+        got = json.loads((out / f"fsdp_llama_tp2.serving.{rank}.json").read_text())
+        assert got["differ"] == [] and got["version"] == 2
+        for report in got["reports"]:
+            assert report["bytes_received"] <= 1.02 * report["own_shard_bytes"]
+        sent = [json.loads((out / f"fsdp_llama_tp2.trainer.{t}.json").read_text()) for t in range(2)]
+        assert all(r["bytes_sent"] > 0 for reports in sent for r in reports)
