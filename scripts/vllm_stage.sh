@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The vLLM stage: tests/jobs/test_vllm.py, test_vllm_oracle.py (every shipped family) and test_vllm_object_store.py
-# (s3:// through vLLM) against a real vLLM (its CPU build, tp 2), in a venv of its own so the main suite's
-# environment stays as it is.
+# The vLLM stage: tests/jobs/test_vllm.py, test_vllm_oracle.py (every shipped family), test_vllm_object_store.py
+# (s3:// through vLLM) and test_vllm_refit.py (a trainer job refits a running instance) against a real vLLM (its CPU
+# build, tp 2), in a venv of its own so the main suite's environment stays as it is.
 #   bash scripts/vllm_stage.sh [pytest args]
 # The venv is the one a user gets: the README's install block ("Serving with vLLM", <!-- block: vllm-install -->),
 # run as it is in a fresh copy of this checkout under ~/.cache/distload/vllm-stage (about 5.5 minutes), once per
@@ -54,7 +54,8 @@ if ! here; then
 fi
 export PYTHONSAFEPATH=1  # kernels/ would hide transformers' `kernels` (scripts/test.sh)
 echo "vllm stage: venv ready in $((SECONDS - start)) s ($venv)"
-"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py tests/jobs/test_vllm_oracle.py tests/jobs/test_vllm_object_store.py "$@"
+"$PY" -m pytest -q -p no:cacheprovider tests/jobs/test_vllm.py tests/jobs/test_vllm_oracle.py tests/jobs/test_vllm_object_store.py \
+  tests/jobs/test_vllm_refit.py "$@"
 rc=$?
 echo "vllm stage: $((SECONDS - start)) s in all, pytest exit $rc"
 exit $rc

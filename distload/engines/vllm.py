@@ -32,6 +32,7 @@ from ..serving.names import NamingProfile, profile_for
 from .contract import destinations, fill_from_checkpoint, say_failures_last, surfaced
 
 LOAD_FORMAT = "distload"
+WEIGHT_TRANSFER = "distload"   # weight_transfer_config={"backend": ...}: vllm_weight_transfer.py, vllm_refit_trainer.py
 # model_loader_extra_config keys: the LoadOptions declared settable by an engine (vLLM's groups give the rest).
 OPTIONS = tuple(f.name for f in declared(engine=True))
 
@@ -39,10 +40,27 @@ OPTIONS = tuple(f.name for f in declared(engine=True))
 def register() -> None:
     """The vllm.general_plugins entry point: make load_format="distload" known to this process, for object storage
     too (allow_object_storage), and, in the instance's top process, print the workers' distload errors last as it
-    exits (contract.say_failures_last)."""
+    exits (contract.say_failures_last); and weight_transfer_config={"backend": "distload"} in both of vLLM's
+    weight-transfer factories (vllm_weight_transfer.py)."""
     register_model_loader(LOAD_FORMAT)(DistloadModelLoader)
+    register_weight_transfer()
     allow_object_storage()
     say_failures_last()
+
+
+def register_weight_transfer() -> None:
+    """Make backend "distload" known to both of vLLM's weight-transfer factories (lazily: the engine modules are
+    imported when an instance or a trainer asks for them). Idempotent: vLLM runs its plugins in every process it
+    starts, and a trainer process may import the trainer module too."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, module, cls in (
+            (WeightTransferEngineFactory, "distload.engines.vllm_weight_transfer", "DistloadWeightTransferEngine"),
+            (WeightTransferTrainerFactory, "distload.engines.vllm_refit_trainer", "DistloadTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(WEIGHT_TRANSFER, module, cls)
+        except ValueError:   # registered before in this process
+            pass
 
 
 def allow_object_storage() -> None:
