@@ -15,7 +15,7 @@ from pathlib import Path
 from .rules import names
 from .plan import expected_shapes
 from .checkpoint import discover
-from .errors import DistloadError
+from .errors import CheckpointError, DistloadError
 from .plan import build_plan
 from .quant import for_load
 from .rules import FamilyRules, parse_rules
@@ -167,4 +167,7 @@ def explain(rules: FamilyRules, tensors: dict, config: dict, tp: int = 1) -> Che
 def check(rules_file: str, checkpoint_dir: str, tp: int = 1) -> CheckResult:
     """`distload rules check FILE CKPT [--tp N]`: parse FILE, index CKPT (headers only), explain."""
     index = discover(checkpoint_dir)
+    if not (Path(checkpoint_dir) / "config.json").is_file():   # else every dim reads "config.json has no <key>"
+        raise CheckpointError(f"{checkpoint_dir}: no config.json; rules check takes the model's sizes from it (the "
+                              f"Hugging Face config.json saved beside the weights): put it there")
     return explain(parse_rules(Path(rules_file)), dict(index.tensors), dict(index.config), tp)

@@ -146,9 +146,12 @@ def check_expert_map(data, source: str = "--expert-map") -> None:
     maps fit the model and the layout is planning's to say (plan/experts.py)."""
     if data is None:
         return
-    if not isinstance(data, (list, tuple)) or not data or not all(isinstance(ids, (list, tuple)) for ids in data):
+    if not isinstance(data, (list, tuple)) or not data:
         raise OptionError(f"{source}: expected {EXPERT_MAP_SHAPE}")
     for rank, ids in enumerate(data):
+        if not isinstance(ids, (list, tuple)):
+            raise OptionError(f"{source}: rank {rank}: {ids!r} where that rank's list of expert ids should be; "
+                              f"expected {EXPERT_MAP_SHAPE}")
         for e in ids:
             if not isinstance(e, int) or isinstance(e, bool) or e < 0:
                 raise OptionError(f"{source}: rank {rank}: {e!r} is not an expert id (a whole number >= 0); "

@@ -48,6 +48,15 @@ def parse_safetensors_header(path: str | os.PathLike, display_name: str | None =
     return entries_from_header(header_bytes, file_size, shown)
 
 
+def header_metadata(path: str | os.PathLike, display_name: str | None = None) -> dict[str, str]:
+    """A safetensors file's __metadata__ ({} when it has none), by the same one bounded read of its header."""
+    path = Path(path)
+    shown = display_name or path.name
+    header_bytes, _ = _read_header_bytes(path, shown)
+    _decode_header(header_bytes, shown)   # checked as a header (it drops the metadata it checks)
+    return json.loads(header_bytes).get("__metadata__") or {}
+
+
 def entries_from_header(header_bytes: bytes, file_size: int, shown: str) -> dict[str, TensorEntry]:
     """The validated entries of a header (the bytes after the 8-byte length) of a `file_size`-byte file, however
     they were fetched (a file, an object store's ranged GET)."""

@@ -13,6 +13,7 @@ import collections
 import itertools
 
 from ..rules import names
+from ..errors import PlanError
 from ..rules import FamilyRules
 from ..topology import Layout
 from . import expected_shapes, landing, pipeline, transpose
@@ -30,6 +31,16 @@ from .ranks import RankSpecs, RankValues
 from .expert_layouts import lazily_shared
 from .source_shares import SourceShares, share_takers, takers_broadcast
 from .types import LoadPlan, ParamSpec, Share, Source, geometry as source_geometry, interned
+
+
+def _placement(targets, rules: FamilyRules, config: dict, layout: Layout):
+    """The experts' placement (None: the model has no experts, and then no --expert-map may place any)."""
+    if any(t.rule.style == "expert" for t in targets):
+        return expert_placement(rules.dim(config, "experts"), layout)
+    if layout.expert_map is not None:   # a map asked for and placing nothing is a mistake, not a no-op
+        raise PlanError(f"--expert-map: this model ({rules.name}) has no experts, so there is nothing to place; "
+                        "leave --expert-map out (it is for MoE models)")
+    return None
 
 
 @collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
@@ -55,9 +66,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     by_name = {t.name: t for t in match.targets}
     view = view.matched(by_name)
 
-    placement = None
-    if any(t.rule.style == "expert" for t in match.targets):
-        placement = expert_placement(rules.dim(config, "experts"), layout)
+    placement = _placement(match.targets, rules, config, layout)
     # Every claimed tensor against the full shape and dtype the rules imply, before the cuts (which check only
     # the sizes they use, and would name a rule's dims where this names config.json's keys).
     expected_shapes.check_shapes(match.targets, index, rules, config)

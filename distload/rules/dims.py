@@ -170,7 +170,9 @@ class _Parser:
 
 def evaluate(expr: str, lookup, where: str) -> tuple[int, tuple[str, ...]]:
     """(value, names used) of the first alternative whose names `lookup` (name -> value, None when absent) has."""
-    parser = _Parser(tokens(expr), lookup, where, expr.strip())
+    toks = tokens(expr)
+    _check_nesting(toks, where, expr)
+    parser = _Parser(toks, lookup, where, expr.strip())
     try:
         value = parser.alternatives()
     except _Absent:
@@ -179,6 +181,22 @@ def evaluate(expr: str, lookup, where: str) -> tuple[int, tuple[str, ...]]:
     if parser.peek() is not None:
         raise RuleError(f"{where}: {expr.strip()!r}: unexpected {parser.peek()!r}")
     return value, tuple(dict.fromkeys(parser.used))
+
+
+MAX_NESTING = 32   # parentheses deep: far past any real rule, far below Python's recursion limit
+
+
+def _check_nesting(toks: list[str], where: str, expr: str) -> None:
+    """Refuse an expression nested past MAX_NESTING (parentheses, and `? :` chains, which nest too) before the
+    recursive parser meets it: a Python RecursionError is no refusal."""
+    depth = deepest = 0
+    for tok in toks:
+        depth += (tok == "(") - (tok == ")")
+        deepest = max(deepest, depth)
+    nesting = deepest + toks.count("?")
+    if nesting > MAX_NESTING:
+        raise RuleError(f"{where}: {expr.strip()[:40]!r}...: nests {nesting} deep (parentheses and `? :`); an "
+                        f"expression may nest at most {MAX_NESTING}: write the rule flatter")
 
 
 def config_value(config: dict, name: str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import OptionError, RuleError
+from ..errors import DistloadError, OptionError, RuleError
 from ..validate import save_for_server
 from . import vllm_save
 from .names import installed_version, profile_for, profile_versions
@@ -60,7 +60,10 @@ def check_save_for_model(save_for: str | None, hf_config: dict) -> None:
         return
     engine, version = save_for_server(save_for)
     if SAVES[engine].module == "vllm_save":
-        vllm_save.check_model(hf_config, version)
+        try:
+            vllm_save.check_model(hf_config, version)
+        except DistloadError as exc:   # the option that asked for the engine's names, named
+            raise OptionError(f"--for {save_for}: {exc}") from None
 
 
 def check_save_for_layout(save_for: str | None, world: int, tp: int) -> None:

@@ -186,6 +186,22 @@ def check_manifest(manifest: dict, mpath: Path) -> None:
     check_stages(damage, manifest, stage_of)
     for name, entry in manifest["params"].items():
         check_param(damage, manifest["params"], name, entry, stage_of)
+        check_replicas(damage, name, entry, manifest["tp"] * pp)
+
+
+def check_replicas(damage: _Damage, name: str, entry: dict, replica: int) -> None:
+    """Data-parallel replicas (rank r and r % (tp x pp)) hold the same shard of a param that is not an expert's:
+    records that differ say the manifest's tp or pp is not the save's (a tp-2 save claiming tp 1 reloaded "OK"
+    with each rank's half as the whole)."""
+    if entry.get("style") in ("expert", "rank0") or "ranks" not in entry:
+        return
+    for r, rec in enumerate(entry["ranks"]):
+        lead = entry["ranks"][r % replica]
+        if rec is None or lead is None or r < replica:
+            continue
+        same = rec.get("local_shape") == lead.get("local_shape") and rec.get("sha256") == lead.get("sha256")
+        damage.expect(same, f"params[{json.dumps(name)}].ranks[{r}]", f"the shard of rank {r % replica}, its data-"
+                      f"parallel replica at tp x pp = {replica} (the same local_shape and sha256)", rec)
 
 
 def check_stages(damage: _Damage, manifest: dict, stage_of: list[int]) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from ..checkpoint import RangeReader, ReaderWrapper, parse_safetensors_header
 from ..checkpoint.discover import resolve_inside
+from ..checkpoint.header import header_metadata
 from ..errors import CheckpointError, PlanError
 from ..plan import DEFAULT_STAGING_BYTES, expert_hosts
 from ..plan.reshard import describe_topology, reshard_plan, same_topology_plan, saved_layout
@@ -28,7 +29,7 @@ from ..quant import for_load
 from ..rules import rules_for
 from ..sources import Origin
 from ..transfer.agreement import run_phase
-from .manifest import MANIFEST, read_manifest, saved_rank
+from .manifest import FORMAT, MANIFEST, read_manifest, saved_rank
 
 
 class ShardedSource:
@@ -148,6 +149,7 @@ def check_headers(root: Path, plan, rank: int, manifest: dict) -> None:
             raise CheckpointError(f"{root}: {file} is missing; the save is incomplete, save again")
         header = parse_safetensors_header(path, display_name=file)
         owner = saved_rank(file)
+        problems += _renamed(file, header_metadata(path, display_name=file), owner, manifest["world_size"])
         expected = {n for n, e in manifest["params"].items() if not e.get("alias_of")}
         extra = sorted(set(header) - expected)
         if extra:
@@ -164,6 +166,18 @@ def check_headers(root: Path, plan, rank: int, manifest: dict) -> None:
     if problems:
         raise CheckpointError(f"{root}: rank files and {MANIFEST} disagree: " + "; ".join(problems[:10])
                               + " (files replaced or damaged since the save; save again)")
+
+
+def _renamed(file: str, metadata: dict, owner: int, world: int) -> list[str]:
+    """A rank file says in its header whose it is (save.py writes rank and world_size): files swapped or copied
+    from another save of the same shapes are caught here, before a byte is read, --no-checksums or not."""
+    if metadata.get("format") != FORMAT:
+        return []
+    said = (metadata.get("rank"), metadata.get("world_size"))
+    if said == (str(owner), str(world)):
+        return []
+    return [f"{file} says it is rank {said[0]}'s file of a save of {said[1]} ranks (its __metadata__), not rank "
+            f"{owner}'s of {world}: rank files renamed or swapped"]
 
 
 def expected_checksums(plan, rank: int, manifest: dict) -> dict[str, list[tuple[int, int, str, str]]]:

@@ -56,6 +56,8 @@ DAMAGE = [
     ("sha256", lambda m: m["params"]["lm_head.weight"]["ranks"][1].update(sha256=5), ".ranks[1].sha256"),
     ("alias-dangling", lambda m: m["params"]["model.embed_tokens.weight"].update(alias_of="nothing"), "alias_of"),
     ("entry-list", lambda m: m["params"].update({"x": [1]}), 'params["x"]'),
+    ("tp-claimed-1", lambda m: (m.update(tp=1), m["params"]["lm_head.weight"]["ranks"][1].update(sha256="1" * 64)),
+     HEAD + ".ranks[1]: expected the shard of rank 0, its data-parallel replica at tp x pp = 1"),
 ]
 
 

@@ -14,6 +14,7 @@ from distload.errors import PlanError, RuleError
 from distload.plan import build_plan
 from distload.postprocess import OPS
 from distload.rules import flag_holds, parse_rules, shipped_families
+from distload.rules.dims import MAX_NESTING, evaluate
 from distload.rules_check import explain
 from distload.topology import Layout
 from distload.quant import for_load
@@ -297,3 +298,10 @@ def test_a_per_layer_list_of_numbers_or_flags_selects_layers(tmp_path):
     assert rules.members(config, "sliding", range(4)) == {0, 2}
     with pytest.raises(RuleError, match="no_rope_layers should be a list with one entry per layer"):
         rules.members({**config, "no_rope_layers": [1, 0]}, "nope", range(4))
+
+
+@pytest.mark.parametrize("expr", ["(" * 5000 + "hidden" + ")" * 5000, "f ? " * 3000 + "1" + " : 2" * 3000])
+def test_an_expression_nested_past_the_limit_is_refused_not_a_recursion_error(expr):
+    with pytest.raises(RuleError, match=rf"\[dims\] x: .*nests \d+ deep .*at most {MAX_NESTING}"):
+        evaluate(expr, {"hidden": 8, "f": True}.get, "rules.toml [dims] x")
+    assert evaluate("(" * MAX_NESTING + "hidden" + ")" * MAX_NESTING, {"hidden": 8}.get, "x")[0] == 8

@@ -83,6 +83,7 @@ def write(tmp_path, content, name="eplb.json"):
     ([], "a list per rank"),
     ([["a"], ["b"]], "not an expert id"),
     ([[0, -1], [2]], "not an expert id"),
+    ([[0, 1], None], "rank 1: None where that rank's list of expert ids should be"),
 ])
 def test_expert_map_shape(tmp_path, content, needle):
     refused(read_expert_map, write(tmp_path, content), names=("--expert-map", "eplb.json", needle))

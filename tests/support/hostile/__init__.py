@@ -6,12 +6,14 @@ printed one error line and exited nonzero). tests/test_hostile.py asserts every 
 `python -m tests.support.hostile [--all] [CASE ...]` prints the table.
 """
 
-from . import cases_config, cases_options, cases_quant4, cases_runtime, cases_tensors
+from . import (cases_config, cases_maps, cases_options, cases_quant4, cases_rules, cases_runtime, cases_saves,
+               cases_tensors, cases_topology)
 from .bases import make_bases
 from .case import Case
 from .runner import Result, run_corpus, table
 
-_MODULES = (cases_tensors, cases_config, cases_options, cases_runtime, cases_quant4)
+_MODULES = (cases_tensors, cases_config, cases_options, cases_runtime, cases_quant4, cases_maps, cases_saves,
+            cases_rules, cases_topology)
 CASES: list[Case] = [c for m in _MODULES for c in m.CASES]            # what tests/test_hostile.py runs
 ALL_CASES: list[Case] = CASES + [c for m in _MODULES for c in m.EXTRA]  # `python -m tests.support.hostile --all`
 

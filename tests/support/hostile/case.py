@@ -26,3 +26,5 @@ class Case:
     never_starts: bool = False     # the lost rank's process never starts distload (never reaches the rendezvous)
     small_files_rank: int | None = None  # this rank may write no file over 1 MiB (a save that fails mid-write)
     env: tuple[tuple[str, str], ...] = ()
+    command: str = "load"    # "load" runs under torchrun; "inspect" / "rules check" run as a user runs them: one
+                             # process, no torchrun (nproc 1, its rank 0)

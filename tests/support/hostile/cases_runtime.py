@@ -20,7 +20,7 @@ def _with_checksums(*extra):
     return build
 
 
-def _saved_copy(ws):
+def saved_copy(ws):
     dst = ws / "saved"
     shutil.copytree(ws.parent / SAVED / "saved", dst)
     return dst
@@ -29,7 +29,7 @@ def _saved_copy(ws):
 def _manifest(edit):
     """A copy of the save with manifest.json changed by edit(manifest dict) -> dict or str."""
     def build(ckpt, ws):
-        saved = _saved_copy(ws)
+        saved = saved_copy(ws)
         value = edit(json.loads((saved / MANIFEST).read_text()))
         (saved / MANIFEST).write_text(value if isinstance(value, str) else json.dumps(value))
         return [str(saved)]
@@ -50,7 +50,7 @@ def _first_param(edit):
 
 def _reload(*extra, remove=None):
     def build(ckpt, ws):
-        saved = _saved_copy(ws)
+        saved = saved_copy(ws)
         if remove:
             (saved / remove).unlink()
         return [str(saved), *extra]

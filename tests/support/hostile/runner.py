@@ -27,13 +27,14 @@ JOB_TIMEOUT_S = 20      # --timeout of every job (a case may pass its own after 
 GRACE_S = 30            # the issue's bound: every job ends within --timeout + 30 s ...
 STARTUP_S = 15          # ... plus torchrun's start on a busy machine; past that the job is a hang
 ERROR_LINE = re.compile(r"^distload: error on rank (\d+): (.*)$", re.M)
+VERDICT_LINE = re.compile(r"^error: (.*)$", re.M)   # `rules check` explains, then ends with its verdict line
 REPO = Path(__file__).resolve().parents[3]
 
 WRAPPER = """trap '' TERM
 log="$HOSTILE_WS/rank$RANK"
 if [ "$RANK" = "$HOSTILE_NEVER_STARTS" ]; then trap - TERM; exec sleep 600; fi
 if [ "$RANK" = "$HOSTILE_SMALL_FILES_RANK" ]; then ulimit -f 1024; fi
-"$HOSTILE_PY" -m distload load "$@" > "$log.out" 2>&1
+"$HOSTILE_PY" -m distload "$@" > "$log.out" 2>&1
 rc=$?
 echo $rc > "$log.rc"
 exit $rc
@@ -50,14 +51,18 @@ class Result:
 
 
 def job_command(case: Case, args: list[str], wrapper: Path) -> list[str]:
+    if case.command != "load":   # inspect, rules check: no process group, started as a user starts them
+        return ["bash", str(wrapper), *case.command.split(), *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.nproc),
-            "--no-python", "bash", str(wrapper), "--timeout", str(JOB_TIMEOUT_S), "--no-progress", *args]
+            "--no-python", "bash", str(wrapper), "load", "--timeout", str(JOB_TIMEOUT_S), "--no-progress", *args]
 
 
 def job_env(case: Case, ws: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTLOAD_", "HOSTILE_"))}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", HOSTILE_WS=str(ws),
                HOSTILE_PY=sys.executable, PYTHONPATH=str(REPO), **dict(case.env))
+    if case.command != "load":
+        env["RANK"] = "0"
     if case.lost_rank is not None and case.never_starts:
         env["HOSTILE_NEVER_STARTS"] = str(case.lost_rank)
     if case.small_files_rank is not None:
@@ -94,6 +99,8 @@ def run_case(case: Case, root: Path, bases: dict) -> Result:
     (ws / "torchrun.out").write_bytes(agent_output or b"")
     ranks = {r: _rank_record(ws, r) for r in range(case.nproc)}
     outcome, detail = ("hang", "still running at the outer limit") if hung else classify(case, ranks)
+    if outcome == "refused" and (ws / "out" / "manifest.json").exists():
+        outcome, detail = "messy", "refused, yet out/ holds a manifest.json: a save that looks complete"
     return Result(case, outcome, seconds, detail, ranks)
 
 
@@ -109,9 +116,9 @@ def classify(case: Case, ranks: dict[int, tuple[int | None, str]]) -> tuple[str,
         if "Traceback (most recent call last)" in text:
             return "traceback", f"rank {r}: " + text[text.index("Traceback"):][-300:].replace("\n", " | ")
     codes = {r: rc for r, (rc, _) in ranks.items()}
-    if all(rc == 0 for rc in codes.values()) and "distload: OK" in ranks[0][1]:
+    if all(rc == 0 for rc in codes.values()) and ("distload: OK" in ranks[0][1] or case.command != "load"):
         return ("silent-wrong", "the job said OK") if case.expect == "refused" else ("ok", "")
-    lines = {r: ERROR_LINE.findall(text) for r, (_, text) in ranks.items()}
+    lines = {r: ERROR_LINE.findall(text) or _verdicts(case, r, text) for r, (_, text) in ranks.items()}
     problems = []
     for r in sorted(ranks):
         want = 0 if r == case.lost_rank else 1
@@ -126,6 +133,11 @@ def classify(case: Case, ranks: dict[int, tuple[int | None, str]]) -> tuple[str,
     if missing:
         return "misnamed", f"message lacks {missing}: {messages[0][:300]}"
     return "refused", messages[0][:200]
+
+
+def _verdicts(case: Case, rank: int, text: str) -> list[tuple[str, str]]:
+    """`rules check`'s refusal of a rules file it explained: its last line, `error: ...` (exit code 1)."""
+    return [(str(rank), m) for m in VERDICT_LINE.findall(text)] if case.command == "rules check" else []
 
 
 def _first_line(ranks) -> str:
