@@ -8,6 +8,7 @@ once. The whole public API:
     distload.load_into(module, path, tp=4)        # fill a (meta-device or preallocated) module in place
     distload.inspect(path, tp=4)                  # no processes: what each rank will get
     distload.refit(result, state_dict, src=0)     # live weight update from one rank, each rank its shards
+    link = distload.join_refit("tcp://HOST:PORT", role="trainer" | "serving", ...)   # a trainer job -> a serving job
 
 The package face imports lazily: `import distload.names` or `import distload.plan` loads neither
 torch.distributed nor the transfer engine; the loader comes with the first call that needs it.
@@ -19,7 +20,7 @@ import importlib
 
 from .errors import CheckpointError, DistloadError, PlanError, RankFailure, RuleError
 
-__all__ = ["load", "load_into", "inspect", "refit", "LoadResult", "LoadOptions", "Refit", "RefitFailed",
+__all__ = ["load", "load_into", "inspect", "refit", "join_refit", "LoadResult", "LoadOptions", "Refit", "RefitFailed",
            "DistloadError", "CheckpointError", "RuleError", "PlanError", "RankFailure"]
 __version__ = "0.1.0"
 
@@ -28,6 +29,9 @@ _LAZY = {"LoadResult": "loader", "run_load": "loader", "LoadOptions": "options",
 
 
 def __getattr__(name: str):
+    if name in ("refit", "join_refit"):  # a callable package (distload/refit/) and its join
+        module = importlib.import_module(".refit", __name__)
+        return module if name == "refit" else module.join_refit
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'distload' has no attribute {name!r}")
@@ -73,18 +77,6 @@ def load_into(module, path, **options):
     data_of: dict[int, object] = {}
     params = {name: data_of.setdefault(id(p), p.data) for name, p in module.named_parameters(remove_duplicate=False)}
     return _run(path, options, into=params)
-
-
-def refit(target, named_tensors=None, **options):
-    """Live weight update (distload.refit.refit: its arguments)."""
-    from .refit import refit as refit_now
-
-    # Importing a submodule binds it as the package's attribute: `distload.refit` is this function again.
-    globals()["refit"] = _refit
-    return refit_now(target, named_tensors, **options)
-
-
-_refit = refit
 
 
 def _run(path, options: dict, into=None):

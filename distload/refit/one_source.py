@@ -30,23 +30,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .rules import names
-from . import topology
-from .checkpoint.discover import read_config
-from .checkpoint.header import TensorEntry
-from .transfer.delivery import transfer_phase
-from .dtypes import TORCH_TO_SAFETENSORS, itemsize, torch_dtype
-from .errors import DistloadError, PlanError, RankFailure
-from .loader import LoadResult
-from .options import LoadOptions
-from .plan import DEFAULT_STAGING_BYTES, build_plan
-from .postprocess import PostProcess
-from .quant import for_load
-from .reconcile import reconcile
-from .rules import rules_for
-from .transfer import broadcast_object
-from .transfer.collectives import max_over_ranks
-from .transfer.agreement import run_phase
+from ..rules import names
+from .. import topology
+from ..checkpoint.discover import read_config
+from ..checkpoint.header import TensorEntry
+from ..transfer.delivery import transfer_phase
+from ..dtypes import TORCH_TO_SAFETENSORS, itemsize, torch_dtype
+from ..errors import DistloadError, PlanError, RankFailure
+from ..loader import LoadResult
+from ..options import LoadOptions
+from ..plan import DEFAULT_STAGING_BYTES, build_plan
+from ..postprocess import PostProcess
+from ..quant import for_load
+from ..reconcile import reconcile
+from ..rules import rules_for
+from ..transfer import broadcast_object
+from ..transfer.collectives import max_over_ranks
+from ..transfer.agreement import run_phase
 
 
 class RefitFailed(DistloadError):
@@ -97,7 +97,7 @@ def _phase(name: str, fn):
     return run_phase(f"refit ({name})", fn)
 
 
-def _destination(target, config, layout_options: LoadOptions, rules_path: str | None):
+def destination(target, config, layout_options: LoadOptions, rules_path: str | None):
     """(params, current specs or None, layout, config, rules, current version) for a LoadResult, module or dict."""
     if isinstance(target, LoadResult):
         rules = rules_for(target.config, rules_path)
@@ -130,7 +130,7 @@ def _metadata(tensors: dict) -> dict:
     return meta
 
 
-def _mismatches(plan, rank: int, current: dict | None, params: dict) -> list[str]:
+def mismatches(plan, rank: int, current: dict | None, params: dict) -> list[str]:
     """Per param: what the update would make it (from which update tensors) vs what this rank holds."""
     feeds: dict[str, set[str]] = {}
     for src in plan.sources.values():
@@ -175,7 +175,7 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tensors = dict(named_tensors or {}) if rank == src else {}  # an iterator of pairs is consumed once, here
     params, current, layout, hf_config, family, current_version = _phase(
-        "target", lambda: _destination(target, config, LoadOptions(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), rules))
+        "target", lambda: destination(target, config, LoadOptions(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), rules))
     if not 0 <= src < layout.world:
         raise DistloadError(f"refit: src={src} is not a rank of this job (world {layout.world})")
     new_version, meta = _phase("metadata", lambda: _announce(rank, src, version, tensors))
@@ -190,11 +190,11 @@ def refit(target, named_tensors=None, *, src: int = 0, group=None, version: int 
         if new_version <= current_version:
             raise DistloadError(f"refit version {new_version} is not newer than the current version {current_version}")
         staging = (staging_mib << 20) if staging_mib else DEFAULT_STAGING_BYTES
-        plan = _update_plan(meta, hf_config, family, replace(layout, readers=(src,), owner_reads=False), staging,
+        plan = update_plan(meta, hf_config, family, replace(layout, readers=(src,), owner_reads=False), staging,
                             quantize, dequantize, partial)
         if not plan.specs[rank]:
             raise PlanError("refit: the update holds no complete param (every part of a fused param is needed)")
-        problems = _mismatches(plan, rank, current, params)
+        problems = mismatches(plan, rank, current, params)
         if problems:
             raise PlanError(f"refit refused before any byte moved ({len(problems)} param(s)): " + "; ".join(problems[:8]))
         return plan
@@ -244,7 +244,7 @@ def _announce(rank: int, src: int, version: int | None, tensors: dict):
     return new_version, meta
 
 
-def _update_plan(meta: dict, hf_config: dict, family, layout, staging: int, quantize, dequantize, partial: bool):
+def update_plan(meta: dict, hf_config: dict, family, layout, staging: int, quantize, dequantize, partial: bool):
     """The plan of a load of a checkpoint holding the update's tensors, the source its one reader."""
     index = {n: TensorEntry(n, n, dtype, shape, 0, math.prod(shape) * itemsize(dtype)) for n, (dtype, shape) in meta.items()}
     plan = build_plan(index, hf_config, family, layout, strict=False, staging_bytes=staging,

@@ -1,0 +1,39 @@
+"""A trainer rank's side of a link: describe its holdings each step; send the bytes its routes ask for."""
+
+from __future__ import annotations
+
+import torch
+
+from .holdings import describe, local_view, named_tensors
+from .routes import holdings_digest, message_order
+
+
+class TrainerSide:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.messages: dict[int, list] = {}   # serving rank -> its messages from this rank (routes.Move lists)
+
+    def describe(self, tensors):
+        tensors = named_tensors(tensors)
+        held = describe(tensors)
+        return tensors, held, holdings_digest(self.rank, held)
+
+    def send(self, group, tensors: dict, servings: int, report: dict) -> None:
+        views: dict[str, torch.Tensor] = {}
+        order = sorted((message_order(self.rank, s, k, servings), s, msg)
+                       for s, msgs in self.messages.items() for k, msg in enumerate(msgs))
+        biggest = max((sum(m.nbytes for m in msg) for _, _, msg in order), default=0)
+        wire = torch.empty(biggest, dtype=torch.uint8)
+        sent = 0
+        for _, s, msg in order:
+            at = 0
+            for m in msg:
+                if m.source not in views:
+                    views[m.source] = local_view(tensors[m.source])
+                region = views[m.source][m.rows[0]:m.rows[1], m.cols[0]:m.cols[1]]
+                # gloo needs contiguous bytes (and has no float8): every region goes as raw uint8
+                wire[at:at + m.nbytes].copy_(region.contiguous().view(-1).view(torch.uint8))
+                at += m.nbytes
+            group.send(wire[:at], group.serving_rank(s))
+            sent += at
+        report.update(bytes_sent=sent, staging_bytes=biggest)
