@@ -40,3 +40,33 @@ def test_fsdp2_trainer_refits_tp2_serving_exactly(tmp_path):
             assert report["bytes_received"] <= 1.02 * report["own_shard_bytes"]
         sent = [json.loads((out / f"fsdp_llama_tp2.trainer.{t}.json").read_text()) for t in range(2)]
         assert all(r["bytes_sent"] > 0 for reports in sent for r in reports)
+
+
+def test_trainer_layouts_refit_serving_layouts_exactly(tmp_path):
+    """One 4-rank trainer job and one 4-rank serving job, every case in sequence: FSDP2 -> tp 4 (tied MQA Llama,
+    in place), DDP on 2 ranks -> tp 2 x pp 2 (each stage receives only its layers)."""
+    ckpts = {}
+    for family in ("llama", "llama_mqa_tied"):
+        ckpts[family] = (save_checkpoint(family, tmp_path / f"{family}-old", seed=0),
+                         save_checkpoint(family, tmp_path / f"{family}-new", seed=1))
+    cases = [
+        {"name": "fsdp_tied_tp4_in_place", "family": "llama_mqa_tied", "trainer": "fsdp", "trainers": 4,
+         "serving": {"tp": 4}, "staged": False},
+        {"name": "ddp_tp2_pp2", "family": "llama", "trainer": "ddp", "trainers": 2, "serving": {"tp": 2, "pp": 2}},
+    ]
+    for case in cases:
+        old, new = ckpts[case.pop("family")]
+        case.update(old=str(old), new=str(new), port=free_port(), dtype="float32")
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases))
+    out = tmp_path / "out"
+    out.mkdir()
+    jobs = [_torchrun(4, "serving", path, out), _torchrun(4, "trainer", path, out)]
+    logs = [j.communicate(timeout=600)[0] for j in jobs]
+    assert all(j.returncode == 0 for j in jobs), "\n".join(logs)
+    for case in cases:
+        for rank in range(4):
+            got = json.loads((out / f"{case['name']}.serving.{rank}.json").read_text())
+            assert got["differ"] == [] and got["version"] == 2, (case["name"], rank, got["differ"][:5])
+            for report in got["reports"]:
+                assert 0 < report["bytes_received"] <= 1.02 * report["own_shard_bytes"], (case["name"], report)
