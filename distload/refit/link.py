@@ -91,7 +91,8 @@ class Link:
         g, start, report = self.group, time.perf_counter(), {}
         self.steps += 1
         tensors, held, digest, why = self._describe(tensors)
-        mine = [digest, int(version is not None and g.rank == 0), version or 0, 0, 0, int(why is not None)]
+        lead = g.rank == 0   # the version is trainer rank 0's: summed over the group, every rank's would add up
+        mine = [digest, int(version is not None and lead), (version or 0) if lead else 0, 0, 0, int(why is not None)]
         if not self.trainer:
             mine[3:5] = [self.version, self.version * self.version]
         total, given, wanted, versions, squares, refusals = self._collective("metadata", mine)

@@ -27,7 +27,8 @@ def test_fsdp2_trainer_refits_tp2_serving_exactly(tmp_path):
     old, new = save_checkpoint("llama", tmp_path / "old", seed=0), save_checkpoint("llama", tmp_path / "new", seed=1)
     cases = tmp_path / "cases.json"
     cases.write_text(json.dumps([{"name": "fsdp_llama_tp2", "old": str(old), "new": str(new), "trainer": "fsdp",
-                                  "trainers": 2, "serving": {"tp": 2}, "port": free_port(), "dtype": "float32"}]))
+                                  "trainers": 2, "serving": {"tp": 2}, "port": free_port(), "dtype": "float32",
+                                  "versions": [5, 6]}]))   # given by the trainer: every trainer rank passes it
     out = tmp_path / "out"
     out.mkdir()
     jobs = [_torchrun(2, "serving", cases, out), _torchrun(2, "trainer", cases, out)]
@@ -35,7 +36,7 @@ def test_fsdp2_trainer_refits_tp2_serving_exactly(tmp_path):
     assert all(j.returncode == 0 for j in jobs), "\n".join(logs)
     for rank in range(2):
         got = json.loads((out / f"fsdp_llama_tp2.serving.{rank}.json").read_text())
-        assert got["differ"] == [] and got["version"] == 2
+        assert got["differ"] == [] and got["version"] == 6
         for report in got["reports"]:
             assert report["bytes_received"] <= 1.02 * report["own_shard_bytes"]
         sent = [json.loads((out / f"fsdp_llama_tp2.trainer.{t}.json").read_text()) for t in range(2)]

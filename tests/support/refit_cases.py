@@ -72,7 +72,7 @@ def run_trainer(case: dict, rank: int) -> None:
     tensors = trainer_tensors(case, rank)
     link = distload.join_refit(f"tcp://127.0.0.1:{case['port']}", role="trainer", config=case["new"],
                                rank=rank, world=case["trainers"], timeout=60)
-    reports = [link.send(tensors).report for _ in range(2)]
+    reports = [link.send(tensors, version=v).report for v in case.get("versions", [None, None])]
     link.close()
     Path(case["_out"], f"{case['name']}.trainer.{rank}.json").write_text(json.dumps(reports))
 
