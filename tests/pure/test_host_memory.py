@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,13 @@ def _mapping_of(ptr: int) -> dict | None:
             if key == "VmFlags":
                 return entry
     return None
+
+
+def _untouched_64_mib() -> torch.Tensor:
+    """64 MiB in 1 MiB rows, not one page resident: a fresh anonymous mapping (torch.empty may reuse heap pages
+    an earlier test left resident, as glibc's mmap threshold rises after a large free)."""
+    region = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8).view(64, 1 << 20)   # the tensor keeps the mapping alive
 
 
 def test_big_tensor_is_its_own_aligned_storage_with_the_right_shape():
@@ -86,7 +94,7 @@ def test_allocate_uses_it_when_asked_and_keeps_tied_aliases(monkeypatch):
 
 
 def test_populate_faults_in_exactly_the_pages_under_a_region():
-    t = host_memory.empty((64, 1 << 20), torch.uint8, huge=False)   # 64 MiB, 1 MiB rows
+    t = _untouched_64_mib()
     rss_kib = lambda: int(_mapping_of(t.data_ptr())["Rss"].split()[0])  # noqa: E731
     before = rss_kib()
     if not host_memory.populate(t[8:40]):   # rows 8..39: 32 MiB, nothing written
@@ -104,7 +112,7 @@ def test_prefault_fills_the_regions_in_the_background_only_with_a_cpu_to_spare()
     from distload.plan.shard import Piece
     from distload.transfer.file_copy import Prefault
 
-    t = host_memory.empty((64, 1 << 20), torch.uint8, huge=False)   # 64 MiB, nothing touched
+    t = _untouched_64_mib()
     params = {"t": t}
     pieces = [("t", Piece("s", (0, 16), (0, 1 << 20), 0, 0)), ("t", Piece("s", (16, 32), (0, 1 << 20), 32, 0))]
     rss_kib = lambda: int(_mapping_of(t.data_ptr())["Rss"].split()[0])  # noqa: E731
