@@ -7,13 +7,17 @@ fire on rank R (default: any rank) at the N-th time (default 1) this process pas
             raise       a RuntimeError, as a bug or an unexpected condition would
             kill        SIGKILL this process (the OOM killer, a lost node): no cleanup, no message
             hang        sleep forever (a stuck file system): peers must give up at the timeout
+            stop        SIGSTOP this process (a stalled rank: alive, its sockets open, silent)
     POINT   read        each pread of a checkpoint file (reader ranks)
             transfer    each bucket of the transfer loop, before the rank posts its part of it
             local-record  a rank's own reconciliation record, before the all-gather that shares it
+            refit-send  each message a trainer rank sends in a refit step (distload/refit/trainer.py)
+            refit-receive  each message a serving rank receives in a refit step (distload/refit/serving.py)
             <phase>     the agreement step that ends a phase: discover, planning, allocate, transfer,
                         reconcile, save-sharded (write), ... (see loader.py and sharded/save.py)
 
 e.g. `read-error@rank0:read:3`, `raise@rank1:transfer:2`, `kill@rank1:save-sharded (write)`.
+A long-lived process (a serving job through several refits) arms a fault for what comes next with `arm(spec)`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import os
 import signal
 import time
 
-ACTIONS = ("read-error", "raise", "kill", "hang")
+ACTIONS = ("read-error", "raise", "kill", "hang", "stop")
 _passes: dict[str, int] = {}
 
 
@@ -42,6 +46,13 @@ def parse_spec(spec: str) -> tuple[str, int | None, str, int]:
     if action not in ACTIONS or not point:
         raise ValueError(f"DISTLOAD_FAULT={spec!r}: expected ACTION@[rankR:]POINT[:N], ACTION one of {ACTIONS}")
     return action, rank, point, count
+
+
+def arm(spec: str) -> None:
+    """Set DISTLOAD_FAULT=spec from here on, its pass counts starting now (N counts passes after this call)."""
+    parse_spec(spec)
+    os.environ["DISTLOAD_FAULT"] = spec
+    _passes.clear()
 
 
 def hit(point: str) -> None:
@@ -63,5 +74,8 @@ def hit(point: str) -> None:
         raise RuntimeError(what)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # continued (SIGCONT): go on as if nothing happened
     while True:  # hang
         time.sleep(60)

@@ -10,6 +10,7 @@ Every wait is bounded by `timeout`: a dead or stalled peer ends the wait, never 
 from __future__ import annotations
 
 import pickle
+import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -26,6 +27,9 @@ def parse_address(address: str) -> tuple[str, int]:
     return url.hostname, url.port
 
 
+_LINGERING: dict[tuple[str, int], object] = {}   # (host, port) -> the store a failed link's host keeps up
+
+
 class Group:
     """This rank in the joined group: its store, its gloo group, both jobs' sizes."""
 
@@ -34,6 +38,9 @@ class Group:
         self.role, self.job_rank, self.timeout = role, rank, timeout
         wait = timedelta(seconds=timeout)
         hosting = role == "serving" and rank == 0
+        self.hosted = (host, port) if hosting else None
+        if hosting:
+            _LINGERING.pop(self.hosted, None)   # a failed link's store on this address: shut it, free the port
         self.store = dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False, timeout=wait,
                                    use_libuv=False)
         if rank == 0:
@@ -47,9 +54,12 @@ class Group:
     def serving_rank(self, s: int) -> int:
         return self.trainers + s
 
-    def allreduce(self, values: list[int]) -> list[int]:
+    def allreduce(self, values: list[int], timeout: float | None = None) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64)
-        self.pg.allreduce([t]).wait()
+        opts = dist.AllreduceOptions()
+        if timeout is not None:
+            opts.timeout = timedelta(seconds=timeout)
+        self.pg.allreduce([t], opts).wait()
         return t.tolist()
 
     def send(self, buf: torch.Tensor, to: int) -> None:
@@ -57,6 +67,29 @@ class Group:
 
     def recv(self, buf: torch.Tensor, frm: int) -> None:
         self.pg.recv([buf], frm, 0).wait()
+
+    def who(self, joined: int) -> str:
+        if joined < self.trainers:
+            return f"trainer rank {joined} (joined rank {joined})"
+        return f"serving rank {joined - self.trainers} (joined rank {joined})"
+
+    def arrive(self, step: int, phase: str) -> None:
+        """This rank reached `phase` of `step`: after a failure there, the ranks that never did are named."""
+        self.store.set(f"at/{step}/{phase}/{self.rank}", "1")
+
+    def absent(self, step: int, phase: str, wait_s: float) -> list[int]:
+        """The joined ranks that have not reached `phase` of `step` within wait_s more: the dead or stalled ones
+        (a live peer that is merely slower gets the moment to arrive). Only after a failure: one check per rank."""
+        deadline = time.monotonic() + wait_s
+        try:
+            self.store.set_timeout(timedelta(seconds=max(wait_s, 1.0)))
+            while True:
+                missing = [r for r in range(self.world) if not self.store.check([f"at/{step}/{phase}/{r}"])]
+                if not missing or time.monotonic() >= deadline:
+                    return missing
+                time.sleep(0.05)
+        except Exception:  # the store's host is gone: nobody can be named
+            return []
 
     def put(self, key: str, obj) -> None:
         self.store.set(key, pickle.dumps(obj))
@@ -85,5 +118,9 @@ class Group:
         except Exception:
             return None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Drop the group. After a failure the hosting rank keeps its store serving until the next join on this
+        address (or the process ends): the live peers still read the first failure and who is absent there."""
+        if failed and self.hosted and self.store is not None:
+            _LINGERING[self.hosted] = self.store
         self.pg = self.store = None

@@ -12,6 +12,7 @@ live rank (a dead peer: within the timeout) and closes the link.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import time
 
@@ -21,6 +22,8 @@ from .group import Group
 from .one_source import Refit, RefitFailed, destination
 from .serving import ServingSide, commit
 from .trainer import TrainerSide
+
+NOTIFY_S = 2.0   # how long a failing rank waits to tell its peers (the ones still in the step's collective)
 
 
 def join(address: str, role: str, *, config=None, target=None, rank: int | None = None, world: int | None = None,
@@ -132,8 +135,12 @@ class Link:
 
     def _collective(self, phase: str, values: list[int]) -> list[int]:
         try:
+            self.group.arrive(self.steps, phase)
             return self.group.allreduce(values)
         except Exception as exc:
+            absent = self.group.absent(self.steps, phase, NOTIFY_S) if self.group.store is not None else []
+            if absent:
+                exc = f"no word from {', '.join(map(self.group.who, absent))} ({exc})"
             self._fail(phase, exc)
 
     def _refuse_if(self, count: int, mine: str | None, phase: str) -> None:
@@ -180,23 +187,31 @@ class Link:
                 return self.side.send(self.group, tensors, self.group.servings, report)
             return self.side.receive(self.group, self.group.trainers, self.group.servings, report)
         except Exception as exc:
-            try:   # tell the live peers now rather than at their timeout
+            try:   # tell the live peers now rather than at their timeout; briefly: a stalled peer never joins
                 self.group.note_failure(f"{self._who()}: {exc}")
-                self.group.allreduce([1])
+                self.group.arrive(self.steps, "commit")   # the step's last collective: the peers wait there
+                self.group.allreduce([1], timeout=min(NOTIFY_S, self.group.timeout))
             except Exception:
                 pass
             self._fail("transfer", exc)
 
     def _who(self) -> str:
-        return f"{self.group.role} rank {self.group.job_rank} (joined rank {self.group.rank})"
+        return self.group.who(self.group.rank)
 
     def _fail(self, phase: str, cause) -> None:
         g = self.group
-        message = f"refit (phase {phase}) failed on {self._who()}: {cause}"
-        first = g.first_failure()
+        message = f"refit (phase {phase}) failed on {self._who()}: {_plain(cause)}"
+        first = _plain(g.first_failure() or "")
         g.note_failure(message)
-        self.close()
+        g.close(failed=True)
+        self.group = None
         state = ("the serving params are unchanged" if self.trainer or self.side.staged else
                  "the params are partly updated (in place): refit again or reload before serving")
         extra = f"; the first failure: {first}" if first and first not in message else ""
         raise RefitFailed(f"{message}{extra}; versions unchanged, {state}; the link is closed: join_refit again")
+
+
+def _plain(cause) -> str:
+    """gloo's error text without its source location and its boilerplate advice (the line names the rank)."""
+    text = re.sub(r"\[/[^\]]*\.(?:cc|cpp|hpp):\d+\] ", "", str(cause))
+    return re.sub(r"\. This is typically caused by .*?GLHF!(?: [^\s;]+)?", "", text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import faults
 from ..dtypes import torch_dtype
 from ..errors import PlanError
 from ..plan import DEFAULT_STAGING_BYTES
@@ -72,7 +73,11 @@ class ServingSide:
         received = 0
         for _, t, msg in order:
             size = sum(m.nbytes for m in msg)
-            group.recv(wire[:size], t)
+            faults.hit("refit-receive")
+            try:
+                group.recv(wire[:size], t)
+            except Exception as exc:
+                raise RuntimeError(f"receiving from trainer rank {t}: {exc}") from exc
             received += size
             _scatter(wire, msg, into)
         if post is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import faults
 from .holdings import describe, local_view, named_tensors
 from .routes import holdings_digest, message_order
 
@@ -34,6 +35,10 @@ class TrainerSide:
                 # gloo needs contiguous bytes (and has no float8): every region goes as raw uint8
                 wire[at:at + m.nbytes].copy_(region.contiguous().view(-1).view(torch.uint8))
                 at += m.nbytes
-            group.send(wire[:at], group.serving_rank(s))
+            faults.hit("refit-send")
+            try:
+                group.send(wire[:at], group.serving_rank(s))
+            except Exception as exc:
+                raise RuntimeError(f"sending to serving rank {s}: {exc}") from exc
             sent += at
         report.update(bytes_sent=sent, staging_bytes=biggest)
