@@ -81,30 +81,57 @@ def _held(name: str, t) -> Held:
 
 def _dtensor_ranges(name: str, t) -> list[list[tuple[int, int]]]:
     """Per dim, the runs of global indices this rank's local tensor holds, in local order."""
-    mesh, placements = t.device_mesh, t.placements
+    mesh = t.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
         return [[] for _ in t.shape]   # this rank is not in the mesh: it holds nothing
-    ranges = [[(0, n)] for n in t.shape]
-    # A strided shard (FSDP2 over a TP shard of the same dim) splits what the later mesh dims left: last.
-    order = sorted(range(len(placements)), key=lambda m: type(placements[m]).__name__ == "_StridedShard")
-    for m in order:
-        p = placements[m]
-        if p.is_replicate():
-            continue
-        if not p.is_shard():
-            raise DistloadError(f"refit: {name!r} is a DTensor with placement {p} on mesh dim {m}; send it "
-                                f"reduced (Replicate or Shard), e.g. .redistribute() or .full_tensor()")
-        d, n = p.dim, mesh.size(m)
-        total = sum(b - a for a, b in ranges[d])
-        size = math.ceil(total / n) if total else 0   # torch.chunk's split, as DTensor's Shard
-        ranges[d] = _take(ranges[d], min(coord[m] * size, total), min((coord[m] + 1) * size, total))
+    ranges = placement_ranges(name, tuple(t.shape), tuple(t.placements), tuple(mesh.shape), tuple(coord))
     local = tuple(t.to_local().shape)
     got = tuple(sum(b - a for a, b in runs) for runs in ranges)
     if got != local:
-        raise DistloadError(f"refit: {name!r}: its placements {tuple(placements)} give a local shape {got}, "
+        raise DistloadError(f"refit: {name!r}: its placements {tuple(t.placements)} give a local shape {got}, "
                             f"the local tensor is {local}")
     return ranges
+
+
+def placement_ranges(name: str, shape: tuple, placements: tuple, mesh_shape: tuple, coord: tuple) -> list:
+    """Per dim, the runs of global indices mesh coordinate `coord` holds under DTensor `placements`.
+
+    Shard(d) splits what the earlier mesh dims left of dim d as torch.chunk does. _StridedShard(d, sf) (FSDP2
+    over a TP shard: torch >= 2.13 no longer makes it a Shard) is the split applied last, to what the sf shards
+    of the later mesh dims left, as FSDP2 cuts its local TP shard: so it is applied after every plain Shard."""
+    ranges = [[(0, n)] for n in shape]
+    plain = [m for m, p in enumerate(placements) if not _strided(p)]
+    strided = [m for m, p in enumerate(placements) if _strided(p)]
+    for m in plain + strided[::-1]:
+        p = placements[m]
+        if p.is_replicate():
+            continue
+        if not (p.is_shard() or _strided(p)):
+            raise DistloadError(f"refit: {name!r} is a DTensor with placement {p} on mesh dim {m}; send it "
+                                f"reduced (Replicate or Shard), e.g. .redistribute() or .full_tensor()")
+        if _strided(p):
+            _check_split_factor(name, placements, mesh_shape, m)
+        d, n = p.dim, mesh_shape[m]
+        total = sum(b - a for a, b in ranges[d])
+        size = math.ceil(total / n) if total else 0   # torch.chunk's split, as DTensor's Shard and FSDP2's
+        ranges[d] = _take(ranges[d], min(coord[m] * size, total), min((coord[m] + 1) * size, total))
+    return ranges
+
+
+def _strided(p) -> bool:
+    return type(p).__name__ == "_StridedShard"
+
+
+def _check_split_factor(name: str, placements: tuple, mesh_shape: tuple, m: int) -> None:
+    """A strided shard on mesh dim m must split what exactly the later mesh dims' shards of its dim made."""
+    d = placements[m].dim
+    later = [k for k in range(m + 1, len(placements)) if placements[k].is_shard() and placements[k].dim == d]
+    earlier = [k for k in range(m) if placements[k].is_shard() and placements[k].dim == d]
+    if earlier or placements[m].split_factor != math.prod(mesh_shape[k] for k in later):
+        raise DistloadError(f"refit: {name!r} has placements {placements} on a mesh of {mesh_shape}: a "
+                            f"_StridedShard distload reads only as FSDP2 makes it (split factor = the later mesh "
+                            f"dims' shards of dim {d}); send it redistributed to Shard / Replicate placements")
 
 
 def _take(runs: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:

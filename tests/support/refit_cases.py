@@ -5,16 +5,20 @@ launch (torchrun costs ~5 s to start). Run by tests/jobs/test_refit_link.py:
 
 CASES.json: a list of {"name", "old", "new" (checkpoint dirs), "trainer": fsdp | fsdp_tp | ddp | dtensor_rows,
 "trainers": ranks taking part, "serving": load options (tp, pp, ep, quantize), "port", "dtype"}. The trainer
-holds the new checkpoint's weights sharded as asked and sends them twice (the second step replays the plan);
-each serving rank loads the old checkpoint, receives, then compares its params with a fresh distload.load of
-the new checkpoint and writes DIR/NAME.serving.R.json (reports and the differing params).
+holds the new checkpoint's weights sharded as asked and sends them twice (the second step replays the plan)
+and writes DIR/NAME.trainer.R.json (reports, and per serving rank the experts it sent bytes of); each serving
+rank loads the old checkpoint, receives, then compares its params with a fresh distload.load of the new
+checkpoint and writes DIR/NAME.serving.R.json (reports, the differing params, and with quantize its shard's
+bytes as the update carries them: a fresh load without quantize in the same layout).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import distload  # noqa: E402
+from distload.refit.holdings import describe, named_tensors  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -56,6 +61,8 @@ def trainer_tensors(case: dict, rank: int):
                 "mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], plan)
+        if not model.config.tie_word_embeddings:   # vocab 250 / tp 2 / dp 2: FSDP2's uneven _StridedShard 63 + 62
+            parallelize_module(model, mesh["tp"], {"model.embed_tokens": RowwiseParallel(), "lm_head": col})
         shard_mesh = mesh["dp"]
     else:
         shard_mesh = init_device_mesh("cpu", (n,))
@@ -73,22 +80,48 @@ def run_trainer(case: dict, rank: int) -> None:
     link = distload.join_refit(f"tcp://127.0.0.1:{case['port']}", role="trainer", config=case["new"],
                                rank=rank, world=case["trainers"], timeout=60)
     reports = [link.send(tensors, version=v).report for v in case.get("versions", [None, None])]
+    held = describe(named_tensors(tensors))
+    experts = {s: experts_in(msgs, held) for s, msgs in link.side.messages.items()}
     link.close()
-    Path(case["_out"], f"{case['name']}.trainer.{rank}.json").write_text(json.dumps(reports))
+    Path(case["_out"], f"{case['name']}.trainer.{rank}.json").write_text(json.dumps(
+        {"reports": reports, "experts_sent": experts}))
+
+
+def experts_in(messages: list, held: dict) -> list[int]:
+    """The global expert ids whose bytes these messages (this trainer rank's routes to one serving rank) carry:
+    from a per-expert name, or from the global rows (held boxes) of a stacked [E, ...] expert tensor."""
+    ids = set()
+    for move in (m for msg in messages for m in msg):
+        per_expert = re.search(r"\.experts\.(\d+)\.", move.source)
+        if per_expert:
+            ids.add(int(per_expert.group(1)))
+        elif ".experts." in move.source:
+            h = held[move.source]
+            rows_per_expert = math.prod(h.shape[1:-1])
+            for r0, r1, c0, c1, lr, lc in h.boxes:
+                if lr <= move.rows[0] < lr + r1 - r0 and lc <= move.cols[0] < lc + c1 - c0:
+                    first, last = r0 + move.rows[0] - lr, r0 + move.rows[1] - 1 - lr
+                    ids.update(range(first // rows_per_expert, last // rows_per_expert + 1))
+    return sorted(ids)
 
 
 def run_serving(case: dict, rank: int) -> None:
     options = case["serving"]
     result = distload.load(case["old"], **options)
     link = distload.join_refit(f"tcp://127.0.0.1:{case['port']}", role="serving", target=result,
-                               staged=case.get("staged", True), timeout=60)
+                               quantize=options.get("quantize"), staged=case.get("staged", True), timeout=60)
     reports = [link.receive().report for _ in range(2)]
     link.close()
     fresh = distload.load(case["new"], **options)
     differ = sorted(n for n, t in fresh.params.items()
                     if n not in result.params or not torch.equal(result.params[n], t))
+    update_shard = None
+    if options.get("quantize"):
+        plain = distload.load(case["new"], **{k: v for k, v in options.items() if k != "quantize"})
+        update_shard = sum(t.nbytes for t in {id(t): t for t in plain.params.values()}.values())
     Path(case["_out"], f"{case['name']}.serving.{rank}.json").write_text(json.dumps(
-        {"reports": reports, "differ": differ, "params": len(fresh.params), "version": result.version}))
+        {"reports": reports, "differ": differ, "params": len(fresh.params), "version": result.version,
+         "update_shard_bytes": update_shard}))
 
 
 def main() -> None:
