@@ -56,6 +56,7 @@ class LoadResult:
     config: dict = field(default_factory=dict, repr=False)
     rank: int = 0
     version: int = 0          # advanced by distload.refit once every rank acknowledged an update
+    options: LoadOptions | None = field(default=None, repr=False)   # what it was loaded with (a refit's quantize)
 
 
 def allocate(specs: dict[str, ParamSpec], device, huge: bool = False) -> dict[str, torch.Tensor]:
@@ -191,7 +192,7 @@ def run_load(path: str, options: LoadOptions, *, into: dict[str, torch.Tensor] |
     report = build_report(plan, verdict.rank_reports, clock.as_dict(), verdict, source=origin.root, extra=extra,
                           waiting=clock.waiting_dict())
     result = LoadResult(params=params, specs=specs, report=report, plan=plan, verdict=verdict, config=origin.config,
-                        rank=rank)
+                        rank=rank, options=options)
     return hand_off(result, clock, origin, options)
 
 

@@ -40,6 +40,9 @@ def join(address: str, role: str, *, config=None, target=None, rank: int | None 
     if role == "serving":
         if target is None:
             raise DistloadError("join_refit(role='serving') needs target= (a LoadResult, a module or a dict of params)")
+        loaded = getattr(target, "options", None)   # a LoadResult: refit into the quantization it was loaded with
+        if loaded is not None and quantize is None and not dequantize:
+            quantize, dequantize = loaded.quantize, loaded.dequantize
         params, current, layout, hf_config, family, version = destination(
             target, config, LoadOptions(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), rules)
         side = ServingSide(params, current, layout, hf_config, family, rank, quantize=quantize,

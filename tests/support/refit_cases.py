@@ -109,7 +109,7 @@ def run_serving(case: dict, rank: int) -> None:
     options = case["serving"]
     result = distload.load(case["old"], **options)
     link = distload.join_refit(f"tcp://127.0.0.1:{case['port']}", role="serving", target=result,
-                               quantize=options.get("quantize"), staged=case.get("staged", True), timeout=60)
+                               staged=case.get("staged", True), timeout=60)
     reports = [link.receive().report for _ in range(2)]
     link.close()
     fresh = distload.load(case["new"], **options)
