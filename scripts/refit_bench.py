@@ -88,7 +88,9 @@ def trainer_pieces(model: Path, rank: int, world: int) -> dict:
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
                 a, b = shard0_range(shape[0], rank, world)
-                pieces[name] = (sl[a:b].contiguous(), a, shape)
+                # cloned: private memory, as a trainer's weights are (file pages would turn private at the first
+                # update, inside the measured steps)
+                pieces[name] = (sl[a:b].clone(), a, shape)
     return dict(sorted(pieces.items()))
 
 

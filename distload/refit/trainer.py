@@ -33,7 +33,7 @@ class TrainerSide:
                     views[m.source] = local_view(tensors[m.source])
                 region = views[m.source][m.rows[0]:m.rows[1], m.cols[0]:m.cols[1]]
                 # gloo needs contiguous bytes (and has no float8): every region goes as raw uint8
-                wire[at:at + m.nbytes].copy_(region.contiguous().view(-1).view(torch.uint8))
+                _pack(region, wire[at:at + m.nbytes])
                 at += m.nbytes
             faults.hit("refit-send")
             try:
@@ -42,3 +42,12 @@ class TrainerSide:
                 raise RuntimeError(f"sending to serving rank {s}: {exc}") from exc
             sent += at
         report.update(bytes_sent=sent, staging_bytes=biggest)
+
+
+def _pack(region: torch.Tensor, into: torch.Tensor) -> None:
+    """The region's bytes into `into` (uint8), copied straight from its strides: no contiguous temporary (one per
+    message grew the trainer's heap past its staging). A region at an offset its dtype cannot view: the plain way."""
+    if into.storage_offset() % region.element_size() == 0:
+        into.view(region.dtype).view(region.shape).copy_(region)
+    else:
+        into.copy_(region.contiguous().view(-1).view(torch.uint8))
