@@ -111,13 +111,17 @@ def run_trainer(args, rank: int, world: int) -> None:
 
 
 def shard_checksum(result, rank: int) -> int:
-    """The job's checksum of the checkpoint elements its params hold (by the load's plan: each piece of each
-    checkpoint tensor counted by the lowest rank holding it), summed over the job."""
+    """The job's checksum of the checkpoint elements its params hold, by the load's plan: each region of a
+    checkpoint tensor counted by the lowest rank it lands on (tp beyond the kv heads lands k / v on several)."""
     mine = 0
     for source in result.plan.sources.values():
+        lowest: dict[tuple, int] = {}
         for share in source.shares:
-            if rank == min(share.ranks):
-                p, dst = share.piece, result.params[share.param]
+            key = (share.piece.rows, share.piece.cols)
+            lowest[key] = min(lowest.get(key, share.ranks.first), share.ranks.first)   # Ranks: first, step, count
+        for share in source.shares:
+            p, dst = share.piece, result.params[share.param]
+            if rank in share.ranks and lowest.pop((p.rows, p.cols), None) == rank:
                 rows, cols = p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]
                 mine += bits(dst.reshape(view2d(tuple(dst.shape)))[p.dst_row:p.dst_row + rows,
                                                                    p.dst_col:p.dst_col + cols])

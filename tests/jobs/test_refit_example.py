@@ -23,19 +23,22 @@ RECEIVED = re.compile(r"received ([\d,]+) B, its shard ([\d,]+) B")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
 
 
-def readme_job(block: str, model: Path, address: str) -> subprocess.Popen:
-    """The README's command, its checkpoint and address replaced, torchrun run by this interpreter."""
+def readme_job(block: str, model: Path, address: str, nproc: int) -> subprocess.Popen:
+    """The README's command, its checkpoint, address and ranks replaced, torchrun run by this interpreter."""
     text = command(block)
     assert text.startswith("torchrun ") and README_MODEL in text and README_ADDRESS in text, text
-    argv = shlex.split(text.replace(README_MODEL, str(model)).replace(README_ADDRESS, address))
+    text = text.replace(README_MODEL, str(model)).replace(README_ADDRESS, address)
+    argv = shlex.split(text.replace("--nproc-per-node 2", f"--nproc-per-node {nproc}"))
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv[1:]], env=ENV, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_the_readme_example_refits_the_serving_job_and_both_checksums_match(tmp_path):
+@pytest.mark.parametrize("trainers,servings", [(2, 2), (1, 4)])   # tp 4 > 2 kv heads: k / v land on 2 ranks each
+def test_the_readme_example_refits_the_serving_job_and_both_checksums_match(tmp_path, trainers, servings):
     model = make_demo_checkpoint(tmp_path / "demo")
     address = f"tcp://127.0.0.1:{free_port()}"
-    jobs = [readme_job("refit-example-serving", model, address), readme_job("refit-example-trainer", model, address)]
+    jobs = [readme_job("refit-example-serving", model, address, servings),
+            readme_job("refit-example-trainer", model, address, trainers)]
     try:
         serving, trainer = (j.communicate(timeout=240)[0] for j in jobs)
     except subprocess.TimeoutExpired:
@@ -49,13 +52,14 @@ def test_the_readme_example_refits_the_serving_job_and_both_checksums_match(tmp_
     steps = int(re.search(r"--steps (\d+)", command("refit-example-trainer")).group(1))
     for version in range(steps + 1):
         got = {c for _, c in sums[("serving", version)]}
-        assert len(sums[("serving", version)]) == 2 and len(got) == 1, (version, sums)   # every rank, one job's sum
+        assert len(sums[("serving", version)]) == servings and len(got) == 1, (version, sums)   # the job's one sum
         if version:
+            assert len(sums[("trainer", version)]) == trainers, (version, sums)
             assert {c for _, c in sums[("trainer", version)]} == got, (version, sums)
     per_version = [next(iter(sums[("serving", v)]))[1] for v in range(steps + 1)]
     assert len(set(per_version)) == steps + 1, per_version   # the serving params changed at every step
     received = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in RECEIVED.findall(serving)]
-    assert len(received) == 2 * steps and all(0 < got <= own for got, own in received), received
+    assert len(received) == servings * steps and all(0 < got <= own for got, own in received), received
 
 
 @pytest.mark.parametrize("args,says", [
