@@ -25,24 +25,31 @@ def _torchrun(nproc: int, role: str, cases: Path, out: Path) -> subprocess.Popen
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_fsdp2_trainer_refits_tp2_serving_exactly(tmp_path):
-    old, new = save_checkpoint("llama", tmp_path / "old", seed=0), save_checkpoint("llama", tmp_path / "new", seed=1)
-    cases = tmp_path / "cases.json"
-    cases.write_text(json.dumps([{"name": "fsdp_llama_tp2", "old": str(old), "new": str(new), "trainer": "fsdp",
-                                  "trainers": 2, "serving": {"tp": 2}, "port": free_port(), "dtype": "float32",
-                                  "versions": [5, 6]}]))   # given by the trainer: every trainer rank passes it
+def test_fsdp2_on_4_ranks_refits_tp2_serving_exactly(tmp_path):
+    """An FSDP2 trainer job on 4 ranks and a serving job at tp 2 (two torchruns), untied and tied Llama in one
+    launch each: the tied case sends embed_tokens once and it lands as both the embedding and lm_head."""
+    cases = []
+    for family in ("llama", "llama_mqa_tied"):
+        old = save_checkpoint(family, tmp_path / f"{family}-old", seed=0)
+        new = save_checkpoint(family, tmp_path / f"{family}-new", seed=1)
+        cases.append({"name": f"fsdp4_{family}_tp2", "old": str(old), "new": str(new), "trainer": "fsdp",
+                      "trainers": 4, "serving": {"tp": 2}, "port": free_port(), "dtype": "float32",
+                      "versions": [5, 6]})   # given by the trainer: every trainer rank passes it
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases))
     out = tmp_path / "out"
     out.mkdir()
-    jobs = [_torchrun(2, "serving", cases, out), _torchrun(2, "trainer", cases, out)]
+    jobs = [_torchrun(2, "serving", path, out), _torchrun(4, "trainer", path, out)]
     logs = [j.communicate(timeout=300)[0] for j in jobs]
     assert all(j.returncode == 0 for j in jobs), "\n".join(logs)
-    for rank in range(2):
-        got = json.loads((out / f"fsdp_llama_tp2.serving.{rank}.json").read_text())
-        assert got["differ"] == [] and got["version"] == 6
-        for report in got["reports"]:
-            assert report["bytes_received"] <= 1.02 * report["own_shard_bytes"]
-        sent = [json.loads((out / f"fsdp_llama_tp2.trainer.{t}.json").read_text()) for t in range(2)]
-        assert all(r["bytes_sent"] > 0 for got in sent for r in got["reports"])
+    for case in cases:
+        for rank in range(2):
+            got = json.loads((out / f"{case['name']}.serving.{rank}.json").read_text())
+            assert got["differ"] == [] and got["version"] == 6, (case["name"], rank, got["differ"][:5])
+            for report in got["reports"]:
+                assert report["bytes_received"] <= 1.02 * report["own_shard_bytes"], (case["name"], report)
+        sent = [json.loads((out / f"{case['name']}.trainer.{t}.json").read_text()) for t in range(4)]
+        assert all(r["bytes_sent"] > 0 for got in sent for r in got["reports"]), case["name"]
 
 
 def test_trainer_layouts_refit_serving_layouts_exactly(tmp_path):
