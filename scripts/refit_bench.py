@@ -234,6 +234,7 @@ def worker(args) -> None:
             else:
                 row["bytes_received"] = baseline_receive(entries, result, bcast, rank, world)
             row["seconds"] = time.perf_counter() - t0
+            row["rss_rise_bytes"] = bench.peak_rss_bytes() - rss_before   # the high-water mark so far: which step set it
             out["steps"][method].append(row)
             if role == "serving":
                 check_params(result.params, initial, sign, f"{method} step {step + 1}")
@@ -298,6 +299,7 @@ def summarize(ranks: list[dict], args, ckpt_bytes: int) -> dict:
                "own_shard_bytes": [r["own_shard_bytes"] for r in serving],
                "trainer_peak_rss_bytes": [r[m]["peak_rss_bytes"] for r in trainer],
                "trainer_rss_rise_bytes": [r[m]["peak_rss_bytes"] - r[m]["rss_before_bytes"] for r in trainer],
+               "trainer_rss_rise_by_step": [[row["rss_rise_bytes"] for row in r["steps"][m]] for r in trainer],
                "serving_peak_rss_bytes": [r[m]["peak_rss_bytes"] for r in serving],
                "fingerprints": [r[m]["fingerprint"] for r in serving]}
         if m == "distload":
@@ -306,6 +308,7 @@ def summarize(ranks: list[dict], args, ckpt_bytes: int) -> dict:
             row["plan_seconds_later"] = max(max(p) for p in plans[1:]) if len(plans) > 1 else None
             row["trainer_bytes_sent"] = [r["steps"][m][-1]["bytes_sent"] for r in trainer]
             row["trainer_held_bytes"] = [r["held_bytes"] for r in trainer]
+            row["trainer_staging_bytes"] = [max(s["staging_bytes"] for s in r["steps"][m]) for r in trainer]
         rows[m] = row
     out = {"meta": meta(args, ckpt_bytes), "methods": rows}
     if len(rows) == len(METHODS):
@@ -344,6 +347,10 @@ def table(s: dict) -> str:
         lines.append(f"\ndistload / broadcast: {q['seconds']:.2f}x the time (aim <= {AIM['seconds']}x), "
                      f"{q['bytes']:.2f}x the bytes per serving rank (aim <= {AIM['bytes']}x); "
                      f"received / own shard <= {s['bytes_over_own_shard']:.3f}; same params: {s['same_params']}")
+    if d := s["methods"].get("distload"):
+        rises = ", ".join("/".join(f"{b / mib:.0f}" for b in steps) for steps in d["trainer_rss_rise_by_step"])
+        lines.append(f"distload trainer: staging (its message buffer) {max(d['trainer_staging_bytes']) / mib:.0f} MiB; "
+                     f"RSS rise MiB after each step, per trainer rank: {rises}")
     m = s["meta"]
     lines.append(f"{m['checkpoint_bytes'] / mib:.0f} MiB bf16 Llama, trainer {m['trainer_ranks']} -> serving "
                  f"{m['serving_ranks']} (tp {m['tp']}), {m['steps']} steps, gloo; {m['machine']}; {m['date']}")

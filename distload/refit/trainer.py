@@ -13,6 +13,9 @@ class TrainerSide:
     def __init__(self, rank: int):
         self.rank = rank
         self.messages: dict[int, list] = {}   # serving rank -> its messages from this rank (routes.Move lists)
+        # One message buffer kept across steps: a fresh one per step came back from the heap at a new address
+        # (glibc raises its mmap threshold after the first free), so two were resident at once.
+        self.wire = torch.empty(0, dtype=torch.uint8)
 
     def describe(self, tensors):
         tensors = named_tensors(tensors)
@@ -24,7 +27,10 @@ class TrainerSide:
         order = sorted((message_order(self.rank, s, k, servings), s, msg)
                        for s, msgs in self.messages.items() for k, msg in enumerate(msgs))
         biggest = max((sum(m.nbytes for m in msg) for _, _, msg in order), default=0)
-        wire = torch.empty(biggest, dtype=torch.uint8)
+        if self.wire.numel() < biggest:
+            self.wire = torch.empty(0, dtype=torch.uint8)   # the old one freed before the new one is made
+            self.wire = torch.empty(biggest, dtype=torch.uint8)
+        wire = self.wire
         sent = 0
         for _, s, msg in order:
             at = 0
