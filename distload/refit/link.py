@@ -90,6 +90,8 @@ class Link:
         if self.group is not None:
             self.group.close()
         self.group = None
+        if self.trainer:
+            self.side.release()
 
     def _step(self, tensors, version):
         if self.group is None:

@@ -22,13 +22,17 @@ class TrainerSide:
         held = describe(tensors)
         return tensors, held, holdings_digest(self.rank, held)
 
+    def release(self) -> None:
+        """Free the message buffer (the link is closed)."""
+        self.wire = torch.empty(0, dtype=torch.uint8)
+
     def send(self, group, tensors: dict, servings: int, report: dict) -> None:
         views: dict[str, torch.Tensor] = {}
         order = sorted((message_order(self.rank, s, k, servings), s, msg)
                        for s, msgs in self.messages.items() for k, msg in enumerate(msgs))
         biggest = max((sum(m.nbytes for m in msg) for _, _, msg in order), default=0)
         if self.wire.numel() < biggest:
-            self.wire = torch.empty(0, dtype=torch.uint8)   # the old one freed before the new one is made
+            self.release()   # the old one freed before the new one is made
             self.wire = torch.empty(biggest, dtype=torch.uint8)
         wire = self.wire
         sent = 0
