@@ -79,7 +79,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     specs, post = transpose.stage(specs, post, by_name)   # params stored transposed land, then turn
     post = landing.stage(post, by_name, rules, config, layout)   # rules' permute / transform after landing
     # Pipeline stages: a param's values only on its stages' ranks, so no rank reads or holds another stage's layers.
-    stages = pipeline.stages_of(layout, match.targets, view.companions, tied)
+    stages = pipeline.with_step_outputs(pipeline.stages_of(layout, match.targets, view.companions, tied), post)
     final, specs, post = (pipeline.masked_specs(final, stages), pipeline.masked_specs(specs, stages),
                           pipeline.masked_steps(post, stages))
     claimed = set(_shares(planned, layout)) if stages is not None else set()

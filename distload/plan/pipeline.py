@@ -93,6 +93,20 @@ def stages_of(layout: Layout, targets, companions, tied: dict[str, str]) -> Stag
     return Stages(layout, held)
 
 
+def with_step_outputs(stages: Stages | None, post) -> Stages | None:
+    """`stages`, with every param a post-load step makes beside its weight (online quantization's scales) held by
+    that weight's stages: listed nowhere, a scale would be expected on every stage, and written only on one."""
+    if stages is None:
+        return None
+    held = dict(stages.held)
+    for steps in post:
+        for step in steps:
+            placed = held.get(step.outputs[0])
+            for name in step.outputs[1:] if placed is not None else ():
+                held.setdefault(name, placed)
+    return Stages(stages.layout, held)
+
+
 def masked(values: RankValues, stages: frozenset, layout: Layout) -> RankValues:
     """`values` on the ranks of `stages`, None on every other rank (period: a multiple of pp x tp)."""
     if len(stages) == layout.pp:

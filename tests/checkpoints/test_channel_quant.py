@@ -116,6 +116,29 @@ def test_online_fp8_channel_adds_a_scale_per_row_of_each_rank_shard(checkpoints)
     assert {s.op for s in plan.post[0]} == {"quantize_channel"} and specs["lm_head.weight"].dtype == "BF16"
 
 
+@pytest.mark.parametrize("quantize", ["fp8", "fp8-block", "fp8-channel"])
+def test_online_quantization_under_pp_puts_each_scale_on_its_weights_stage(checkpoints, quantize):
+    """tp 2 x pp 2: a scale that online quantization adds is held (and made) only by its weight's stage, as the
+    weight is; listed for every stage, the other stage's ranks waited for scales they never make."""
+    from pipeline_cases import on_stage
+
+    plain = discover(str(checkpoints["llama", "bf16"]))
+    layout = Layout(world=4, tp=2, pp=2)
+    plan = build_plan(plain.tensors, plain.config, rules_for(plain.config), layout,
+                      quantization=for_load(plain.config, quantize))
+    layers = plain.config["num_hidden_layers"]
+    ranges = [(0, layers // 2), (layers // 2, layers)]
+    for rank in range(4):
+        stage = layout.pp_rank(rank)
+        specs = plan.specs[rank]
+        scales = [n for n in specs if "_scale" in n]
+        assert scales, (rank, quantize)
+        for name in specs:
+            assert on_stage(name, stage, 2, ranges[stage], tied=False), (rank, name)
+        made = {out for step in plan.post[rank] for out in step.outputs}
+        assert set(scales) <= made, (rank, sorted(set(scales) - made)[:4])
+
+
 def _ct(kind: str, part: str = "weights", key: str = "", value=None) -> dict:
     """config.json of a channel checkpoint of `kind`, its group's `part` (weights, input_activations) changed."""
     qc = cc.quantization_config(kind)

@@ -57,7 +57,8 @@ def test_trainer_layouts_refit_serving_layouts_exactly(tmp_path):
     in place); DDP on 2 ranks -> tp 2 x pp 2 (each stage receives only its layers); FSDP2 + TP 2 (dp 2 x tp 2,
     _StridedShard placements, the vocab split unevenly) -> tp 4; Qwen3-MoE FSDP2 (stacked experts, one per
     trainer rank) -> tp 2 ep 2, each serving rank receiving only its experts; a BF16 FSDP2 trainer -> tp 4
-    quantized to FP8 blocks on the receiving ranks, bitwise a fresh load with the same quantize."""
+    quantized to FP8 blocks on the receiving ranks, bitwise a fresh load with the same quantize; the same trainer ->
+    tp 2 x pp 2 quantized to per-tensor FP8 (fused params requantized with one scale across their parts)."""
     ckpts = {}
     for family, dtype in (("llama", torch.float32), ("llama_mqa_tied", torch.float32), ("qwen3_moe", torch.float32),
                           ("llama", torch.bfloat16)):
@@ -74,6 +75,8 @@ def test_trainer_layouts_refit_serving_layouts_exactly(tmp_path):
          "serving": {"tp": 2, "ep": 2}},
         {"name": "bf16_fsdp_fp8_block_tp4", "ckpt": "llama-bfloat16", "trainer": "fsdp", "trainers": 4,
          "serving": {"tp": 4, "quantize": "fp8-block"}, "dtype": "bfloat16"},
+        {"name": "bf16_fsdp_fp8_tensor_tp2_pp2", "ckpt": "llama-bfloat16", "trainer": "fsdp", "trainers": 4,
+         "serving": {"tp": 2, "pp": 2, "quantize": "fp8"}, "dtype": "bfloat16"},
     ]
     for case in cases:
         old, new = ckpts[case.pop("ckpt")]
