@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM stage: tests/jobs/test_vllm.py, test_vllm_oracle.py (every shipped family), test_vllm_object_store.py
-# (s3:// through vLLM) and test_vllm_refit.py (a trainer job refits a running instance) against a real vLLM (its CPU
-# build, tp 2), in a venv of its own so the main suite's environment stays as it is.
+# (s3:// through vLLM) and test_vllm_refit.py (a trainer job refits a running LLM, and vLLM's OpenAI server over its RL
+# endpoints) against a real vLLM (its CPU build, tp 2), in a venv of its own so the main suite's environment stays as
+# it is.
 #   bash scripts/vllm_stage.sh [pytest args]
 # The venv is the one a user gets: the README's install block ("Serving with vLLM", <!-- block: vllm-install -->),
 # run as it is in a fresh copy of this checkout under ~/.cache/distload/vllm-stage (about 5.5 minutes), once per

@@ -25,7 +25,7 @@ from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from ..errors import DistloadError
-from .contract import destinations, surfaced
+from .contract import destinations, surfaced, torchrun_identity
 from .vllm import instance_shape, vllm_profile, worker_rank
 
 @dataclass
@@ -93,10 +93,13 @@ class DistloadWeightTransferEngine(WeightTransferEngine[DistloadWeightTransferIn
                                     f"one has pipeline_parallel_size {shape['pp']}: serve it with pp 1")
             self.loaded = LoadedShapes(self.model, self.device)
             self.into, self.copies = destinations(self.loaded, vllm_profile())
-            self.link = join_refit(init_info.address, role="serving",
-                                            config=self.model_config.hf_config.to_dict(), target=self.into,
-                                            tp=shape["tp"], ep=shape["ep"], rank=shape["rank"],
-                                            world=shape["world"], staged=False, timeout=init_info.timeout)
+            # the serving layout is planned from torchrun's variables: make them this instance's (its workers
+            # have vLLM's LOCAL_WORLD_SIZE only, or those of a trainer's torchrun that started an LLM), as a load's
+            with torchrun_identity(shape["rank"], shape["world"]):
+                self.link = join_refit(init_info.address, role="serving",
+                                       config=self.model_config.hf_config.to_dict(), target=self.into,
+                                       tp=shape["tp"], ep=shape["ep"], rank=shape["rank"],
+                                       world=shape["world"], staged=False, timeout=init_info.timeout)
 
     def start_weight_update(self) -> None:
         """Nothing yet: the served weights stay in place until update_weights has received all of a step."""

@@ -1,12 +1,14 @@
 """An RL loop refits a running vLLM instance with weight_transfer_config={"backend": "distload"}: a trainer job
 (torchrun, 2 ranks, an FSDP2 Llama with new weights; tests/support/vllm_refit_job.py) drives LLM(... tp 2, CPU ...)
-through vLLM's init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update. After the
-refit the instance generates the greedy tokens a fresh vLLM load (vLLM's own safetensors loader) of the trainer's
-new weights, saved as a checkpoint, generates, and not those of before. Two instances in all: each costs minutes.
-Runs in the vLLM stage's venv (scripts/vllm_stage.sh)."""
+through vLLM's init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update; another
+drives vLLM's OpenAI server (the README's command, tp 2, mp workers) through the same protocol's HTTP endpoints with
+vLLM's own HTTP client. After the refit each generates the greedy tokens a fresh vLLM load (vLLM's own safetensors
+loader) of the trainer's new weights, saved as a checkpoint, generates, and not those of before. One fresh load for
+both (each instance costs minutes). Runs in the vLLM stage's venv (scripts/vllm_stage.sh)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -38,24 +40,79 @@ def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(cmd[:4])} hung for {timeout} s:\n{err[-6000:]}")
+    finally:   # whatever of its tree outlived it (or an interrupted test), as on a hang
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, f"{' '.join(cmd[:4])} exited {proc.returncode}:\n{err[-8000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-@needs_vllm
-def test_trainer_job_refits_a_running_instance(tmp_path):
+def same_weights(a: Path, b: Path) -> bool:
+    """Two checkpoints' tensors are bitwise the same (the jobs' new weights are the fixture's, not just alike)."""
+    from safetensors.torch import load_file
+
+    def tensors(ckpt: Path) -> dict:
+        return {k: v for f in sorted(ckpt.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    ours, theirs = tensors(a), tensors(b)
+    return sorted(ours) == sorted(theirs) and all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+@pytest.fixture(scope="module")
+def refit_case(tmp_path_factory) -> dict:
+    """The old checkpoint (with a tokenizer, for the server), the trainer's new weights saved (what every trainer
+    job computes: vllm_refit_job.trained_model) and a fresh vLLM load's greedy tokens of them."""
     from hf_models import save_checkpoint
+    from vllm_http import add_tokenizer
+    from vllm_refit_job import trained_model
+
+    base = tmp_path_factory.mktemp("refit")
+    old = add_tokenizer(save_checkpoint("llama", base / "old", dtype=torch.bfloat16, **SIZES))
+    trained_model(str(old)).save_pretrained(base / "new")
+    run([sys.executable, str(HERE / "vllm_serve.py"), str(base / "new"), "safetensors", str(base / "fresh.json"),
+         "--tokens"], timeout=900)
+    expected = json.loads((base / "fresh.json").read_text())["tokens"]
+    assert len(expected) == 16
+    return {"old": old, "new": base / "new", "expected": expected}
+
+
+def trainer_job(old: Path, new: Path, *mode: str) -> None:
     from spawn import free_port
 
-    old = save_checkpoint("llama", tmp_path / "old", dtype=torch.bfloat16, **SIZES)
-    new, tokens = tmp_path / "new", tmp_path / "tokens.json"
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(HERE / "vllm_refit_job.py"), str(old), str(new), f"tcp://127.0.0.1:{free_port()}", str(tokens)],
-        timeout=900)
-    refit = json.loads(tokens.read_text())
-    fresh = tmp_path / "fresh.json"
-    run([sys.executable, str(HERE / "vllm_serve.py"), str(new), "safetensors", str(fresh), "--tokens"], timeout=900)
-    expected = json.loads(fresh.read_text())["tokens"]
-    assert len(expected) == len(refit["after"]) == 16
-    assert refit["after"] == expected
-    assert refit["before"] != expected, "the new weights generate what the old did: the test shows nothing"
+         str(HERE / "vllm_refit_job.py"), str(old), str(new), f"tcp://127.0.0.1:{free_port()}", *mode], timeout=900)
+
+
+@needs_vllm
+def test_trainer_job_refits_a_running_instance(refit_case, tmp_path):
+    trainer_job(refit_case["old"], tmp_path / "new", "--tokens", str(tmp_path / "tokens.json"))
+    assert same_weights(tmp_path / "new", refit_case["new"])
+    refit = json.loads((tmp_path / "tokens.json").read_text())
+    assert refit["after"] == refit_case["expected"]
+    assert refit["before"] != refit_case["expected"], "the new weights generate what the old did: the test shows nothing"
+
+
+@needs_vllm
+def test_trainer_job_refits_the_openai_server_over_http(refit_case, tmp_path):
+    """The README's server command with the backend (<!-- block: vllm-serve-refit -->; plus a port, --enforce-eager,
+    --max-model-len and mp workers), stopped with everything it started however the test ends."""
+    from readme_blocks import command
+    from vllm_http import Server
+    from vllm_refit_job import PROMPT
+
+    server = Server(f"{command('vllm-serve-refit')} --distributed-executor-backend mp", refit_case["old"], tmp_path)
+    try:
+        server.start().wait_ready()
+        before = server.greedy_ids(PROMPT)
+        trainer_job(refit_case["old"], tmp_path / "new", "--server", server.url)
+        after = server.greedy_ids(PROMPT)
+        version = server.get("/weight_info")["weight_version"]
+    except BaseException:
+        print(f"the server's last lines:\n{server.tail(80)}")   # pytest shows them with the failure
+        raise
+    finally:
+        server.stop()
+    assert same_weights(tmp_path / "new", refit_case["new"])
+    assert after == refit_case["expected"]
+    assert before != refit_case["expected"], "the new weights generate what the old did: the test shows nothing"
+    assert version == "1", version   # finish_weight_update's, from the trainer's step

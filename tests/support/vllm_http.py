@@ -5,6 +5,7 @@ word-level tokenizer so that prompts and completions are text, and completion re
     server = Server(command, ckpt, workdir).start()
     server.wait_ready()             # /health answers (or the server died: AssertionError with its last lines)
     server.complete("w17 w42 w99")  # {"text": ..., "tokens": [...], "logprobs": [...]}
+    server.greedy_ids([1, 17, 42])  # the completion's token ids; server.post(path, body), server.get(path): JSON
     server.stop()
 """
 
@@ -93,16 +94,33 @@ class Server:
             time.sleep(2)
         raise AssertionError(f"the server was not ready after {timeout} s:\n{self.tail()}")
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(self, path: str, body: dict | None = None) -> dict:
+        """POST `body` as JSON to `path` (e.g. "/v1/completions"); the reply's JSON."""
+        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body or {}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return json.loads(reply.read())
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=300) as reply:
+            return json.loads(reply.read())
+
     def complete(self, prompt: str) -> dict:
         """One greedy completion of STEPS tokens: its text, token ids and their logprobs."""
-        body = {"model": str(self.ckpt), "prompt": prompt, "max_tokens": STEPS, "temperature": 0.0,
-                "ignore_eos": True, "logprobs": 1}
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            choice = json.loads(reply.read())["choices"][0]
+        choice = self.post("/v1/completions", {"model": str(self.ckpt), "prompt": prompt, "max_tokens": STEPS,
+                                               "temperature": 0.0, "ignore_eos": True, "logprobs": 1})["choices"][0]
         return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
                 "logprobs": choice["logprobs"]["token_logprobs"]}
+
+    def greedy_ids(self, prompt_ids: list[int]) -> list[int]:
+        """The token ids of one greedy completion of STEPS tokens of a prompt given as token ids."""
+        body = {"model": str(self.ckpt), "prompt": prompt_ids, "max_tokens": STEPS, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+        return self.post("/v1/completions", body)["choices"][0]["token_ids"]
 
     def wait_exit(self, timeout: float) -> int | None:
         """The exit status within `timeout` seconds (None: still running)."""

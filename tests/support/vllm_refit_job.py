@@ -1,18 +1,20 @@
 """A trainer job that refits a running vLLM instance through weight_transfer_config={"backend": "distload"}, as an
-RL loop would: under torchrun, every rank holds an FSDP2 (fully_shard) Llama; rank 0 also runs the instance
-(LLM, tp 2 on CPU, load_format="distload") and drives it with vLLM's four-phase protocol.
+RL loop would: under torchrun, every rank holds an FSDP2 (fully_shard) Llama, and rank 0 drives the instance with
+vLLM's four-phase protocol: either an `LLM` it runs itself (tp 2 on CPU, load_format="distload"; --tokens), or
+vLLM's OpenAI server at URL (--server) through vLLM's own HTTP client and the server's RL endpoints.
 
-    torchrun --nproc-per-node 2 tests/support/vllm_refit_job.py OLD_CKPT NEW_CKPT_DIR ADDRESS OUT.json
+    torchrun --nproc-per-node 2 tests/support/vllm_refit_job.py OLD_CKPT NEW_CKPT_DIR ADDRESS --tokens OUT.json
+    torchrun --nproc-per-node 2 tests/support/vllm_refit_job.py OLD_CKPT NEW_CKPT_DIR ADDRESS --server URL
 
-Rank 0 writes the instance's greedy tokens before and after the refit to OUT.json, and saves the trainer's new
-weights (every param moved by a seeded step) as a checkpoint in NEW_CKPT_DIR, for a fresh instance to compare.
+Rank 0 saves the trainer's new weights (every param moved by a seeded step: trained_model) as a checkpoint in
+NEW_CKPT_DIR, and with --tokens writes the instance's greedy tokens before and after the refit to OUT.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 PROMPT = [1, 17, 42, 99, 7, 3, 150, 64]   # tests/support/vllm_serve.py's
@@ -50,32 +52,57 @@ def trained_model(ckpt: str):
     return model
 
 
+def release_server(url: str, client) -> None:
+    """What an RL loop does after a refit of a server: drop the prefix cache (its KV blocks were computed with the
+    old weights and would be reused for a prompt that shares them) and release the workers' end of the link."""
+    import requests
+
+    requests.post(f"{url}/reset_prefix_cache", timeout=300).raise_for_status()
+    client.shutdown_weight_transfer_engine()
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("address")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--tokens", help="run an LLM on rank 0; write its greedy tokens before and after here")
+    mode.add_argument("--server", help="refit vLLM's OpenAI server at this URL (http://HOST:PORT)")
+    return parser.parse_args()
+
+
 def main() -> None:
-    old, new, address, out = sys.argv[1:5]
+    args = arguments()
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     rank = int(os.environ["RANK"])
-    llm = start_instance(old) if rank == 0 else None
-    result = {"before": greedy(llm)} if rank == 0 else {}
+    llm = start_instance(args.old) if rank == 0 and args.tokens else None
+    result = {"before": greedy(llm)} if llm is not None else {}
     dist.init_process_group("gloo")
-    model = trained_model(old)
+    model = trained_model(args.old)
     if rank == 0:
-        model.save_pretrained(new)
+        model.save_pretrained(args.new)
     fully_shard(model)
 
-    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 
     from distload.engines.vllm_refit_trainer import DistloadTrainerInitInfo, LLMClient
 
-    engine = WeightTransferTrainerFactory.trainer_init(
-        DistloadTrainerInitInfo(address=address, config=old, rank=rank, world=2),
-        client=LLMClient(llm) if rank == 0 else None, source=ModuleSource(model))
-    engine.send_weights()
+    client = None
     if rank == 0:
+        client = LLMClient(llm) if llm is not None else HTTPVLLMWeightSyncClient(args.server, timeout=600)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        DistloadTrainerInitInfo(address=args.address, config=args.old, rank=rank, world=2),
+        client=client, source=ModuleSource(model))
+    engine.send_weights()
+    if llm is not None:
         result["after"] = greedy(llm)
-        Path(out).write_text(json.dumps(result))
+        Path(args.tokens).write_text(json.dumps(result))
     engine.shutdown()
+    if rank == 0 and args.server:
+        release_server(args.server, client)
     dist.barrier()
     dist.destroy_process_group()
 
