@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .errors import DistloadError, RankFailure
@@ -330,3 +331,24 @@ def not_arrived(store, prefix: str, topo: Topology, waited_s: float, exc: BaseEx
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+@contextmanager
+def torchrun_identity(rank: int, world: int):
+    """RANK / WORLD_SIZE / LOCAL_RANK for distload's topology, which reads torchrun's environment
+    (an engine's workers may set only LOCAL_WORLD_SIZE, as vLLM's do); restored afterwards."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in keys}
+    local_world = int(saved["LOCAL_WORLD_SIZE"] or world)
+    if world % local_world:
+        local_world = world
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world),
+                      LOCAL_WORLD_SIZE=str(local_world))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

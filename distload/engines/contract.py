@@ -25,6 +25,7 @@ import torch
 
 from ..dtypes import torch_dtype
 from ..errors import DistloadError, PlanError
+from ..topology import torchrun_identity
 from ..inspect_cmd import inspect_load
 from ..loader import run_load
 from ..options import LoadOptions
@@ -96,27 +97,6 @@ def destinations(model: torch.nn.Module, profile: NamingProfile):
             continue
         into[profile.distload_name(name)] = data_of.setdefault(id(param), param.data)
     return into, copies
-
-
-@contextmanager
-def torchrun_identity(rank: int, world: int):
-    """RANK / WORLD_SIZE / LOCAL_RANK for distload's topology, which reads torchrun's environment
-    (an engine's workers may set only LOCAL_WORLD_SIZE, as vLLM's do); restored afterwards."""
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    saved = {k: os.environ.get(k) for k in keys}
-    local_world = int(saved["LOCAL_WORLD_SIZE"] or world)
-    if world % local_world:
-        local_world = world
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world),
-                      LOCAL_WORLD_SIZE=str(local_world))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def fill_from_checkpoint(path: str, into: dict[str, torch.Tensor], shape: dict, options: LoadOptions,

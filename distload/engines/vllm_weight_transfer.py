@@ -25,7 +25,8 @@ from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from ..errors import DistloadError
-from .contract import destinations, surfaced, torchrun_identity
+from ..topology import torchrun_identity
+from .contract import destinations, surfaced
 from .vllm import instance_shape, vllm_profile, worker_rank
 
 @dataclass

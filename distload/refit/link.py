@@ -18,6 +18,7 @@ import time
 
 from ..errors import DistloadError, PlanError
 from ..options import LoadOptions
+from ..topology import torchrun_identity
 from .group import Group
 from .one_source import Refit, RefitFailed, destination
 from .serving import ServingSide, commit
@@ -43,8 +44,10 @@ def join(address: str, role: str, *, config=None, target=None, rank: int | None 
         loaded = getattr(target, "options", None)   # a LoadResult: refit into the quantization it was loaded with
         if loaded is not None and quantize is None and not dequantize:
             quantize, dequantize = loaded.quantize, loaded.dequantize
-        params, current, layout, hf_config, family, version = destination(
-            target, config, LoadOptions(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), rules)
+        # A module's or dict's layout is this job's rank / world as given: an engine's workers have no torchrun env.
+        with torchrun_identity(rank, world):
+            params, current, layout, hf_config, family, version = destination(
+                target, config, LoadOptions(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), rules)
         side = ServingSide(params, current, layout, hf_config, family, rank, quantize=quantize,
                            dequantize=dequantize, staged=staged, staging_mib=staging_mib, partial=partial)
     try:
