@@ -46,15 +46,18 @@ def _placement(targets, rules: FamilyRules, config: dict, layout: Layout):
 @collector_paused  # a plan is many long-lived objects and no cycles (gc_freeze.py)
 def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, *,
                strict: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, quantization=UNQUANTIZED,
-               rank: int | None = None) -> LoadPlan:
+               rank: int | None = None, config_checked: bool = False) -> LoadPlan:
     """Plan the load. `tensors` maps checkpoint names to entries (name, file, offset, dtype, shape).
 
     quantization: what the load does about quantization (quant.for_load: the checkpoint's format, --quantize,
     --dequantize; plan/quantization.py says what the plan asks of it). rank: plan what that rank needs (the
     load's plan: the job-wide buckets and its block's own, spans.py), not the rows other blocks alone take and
-    read; None: the whole job (tools, tests, refit, resharding).
+    read; None: the whole job (tools, tests, refit, resharding). config_checked: the config was checked against
+    a whole checkpoint already (a refit's: the serving job's own), so a subset of its layers is no sign of a
+    config that does not describe the tensors.
     """
-    check_loop_bounds(tensors, rules, config)
+    if not config_checked:
+        check_loop_bounds(tensors, rules, config)
     digest = inputs_digest(tensors, config, rules, layout, strict=strict, staging_bytes=staging_bytes,
                            quantization=quantization.key)
     layout = pipeline.resolved_layout(layout, rules, config)   # with the stage partition it plans with
@@ -102,7 +105,7 @@ def build_plan(tensors: dict, config: dict, rules: FamilyRules, layout: Layout, 
     return LoadPlan(family=rules.name, layout=layout, specs=final if isinstance(final, RankSpecs) else tuple(final),
                     sources={s.name: s for s in sources},
                     buckets=buckets, missing=tuple(match.missing), unexpected=tuple(match.unexpected),
-                    ignored=tuple(match.ignored), checkpoint_bytes=sum(s.nbytes for s in planned_sources),
+                    ignored=tuple(match.ignored), incomplete=match.incomplete, checkpoint_bytes=sum(s.nbytes for s in planned_sources),
                     notes=tuple(notes),
                     staging=tuple(specs) if any(post) else (), post=tuple(post), quantization=quantized,
                     digest=digest, planned_for=None if home is None else rank, block_own_from=block_own_from,

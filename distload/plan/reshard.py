@@ -189,6 +189,8 @@ def reshard_plan(manifest: dict, rules, layout: Layout, staging_bytes: int, quan
         for d in sorted(old.sources[ckpt_name].deliveries, key=lambda d: d.rank):
             holders.setdefault((d.param, d.piece.rows, d.piece.cols), []).append(d)
         for dn in nsrc.deliveries:
+            if dn.param not in manifest["params"]:
+                continue   # a staged-only input of a value check (a fused part's g_idx): checked at the save's load
             area = 0
             for (param, rows, cols), ds in holders.items():
                 rows_i, cols_i = _overlap(rows, dn.piece.rows), _overlap(cols, dn.piece.cols)

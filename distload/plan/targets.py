@@ -97,6 +97,9 @@ class Match:
     missing: list[str]
     unexpected: list[str]
     ignored: list[str]
+    # (target, its sources present, its sources absent) for each target the checkpoint holds only part of: a
+    # fused param (gate_up_proj) cannot be written from some of its parts
+    incomplete: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = ()
 
 
 def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str], tensors, rules: FamilyRules,
@@ -130,7 +133,9 @@ def match_checkpoint(targets: list[Target], claimants: list, tied: dict[str, str
             msg.append(f"unexpected {len(unexpected)} tensor(s): {names.describe(unexpected)}")
         msg.append("fix: use the rules file for this architecture (--config PATH), or pass --no-strict to load what matches")
         raise PlanError("; ".join(msg))
-    return Match([t for t in targets if not missing_by_target[t.name]], missing, unexpected, ignored)
+    incomplete = tuple((t.name, tuple(s for s in t.sources if s in tensors), tuple(missing_by_target[t.name]))
+                       for t in targets if 0 < len(missing_by_target[t.name]) < len(t.sources))
+    return Match([t for t in targets if not missing_by_target[t.name]], missing, unexpected, ignored, incomplete)
 
 
 def _unexpected(tensors, claimed: dict[str, str], ignored: list[str], absent: int) -> list[str]:

@@ -215,6 +215,7 @@ class LoadPlan:
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()                # dropped by rule or by a tie (e.g. rotary inv_freq)
+    incomplete: tuple = ()                       # (param, sources present, sources missing): targets.Match's
     checkpoint_bytes: int = 0
     notes: tuple[str, ...] = field(default=(), compare=False)
     # Quantized loads (quant/): `specs` are the final params (what the caller gets and reconcile

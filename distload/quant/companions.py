@@ -28,6 +28,7 @@ class Companion:
     suffix: str
     scale_of: tuple[tuple[str, str], ...]    # (weight source, its companion source), in the weight's source order
     cut: object = None                       # packed formats: how it lies over its logical weight (packed.Cut)
+    check_only: bool = False                 # read for a step's value check only, never a final param
 
     @functools.cached_property   # asked for per planning pass; computed once
     def sources(self) -> tuple[str, ...]:

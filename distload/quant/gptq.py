@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from .. import kernels
 from ..errors import CheckpointError
 from .packed import PackedFormat, PackedStep, packed_op
@@ -20,33 +22,43 @@ from .format import refuse_kind
 
 @dataclass(frozen=True)
 class GptqStep(PackedStep):
-    """A GPTQ step with what a refusal of its g_idx names: the checkpoint's g_idx, the groups of the whole input."""
-    g_idx_source: str = ""
+    """A GPTQ step with what a refusal of its g_idx names: the checkpoint's g_idx of each fused part (the first
+    part's is the param's), the groups of the whole input."""
+    g_idx_sources: tuple[str, ...] = ()
     groups: int = 0
     in_features: int = 0
 
 
-def check_g_idx(step, g_idx) -> None:
+def check_g_idx(step, *g_idx):
     """Act-order g_idx maps each input to one of the whole input's groups: a value outside 0..groups-1 would
-    index another row of the scales (negative: from the end) or past them."""
-    bad = (g_idx < 0) | (g_idx >= step.groups)
-    if bool(bad.any()):
-        values = sorted(set(g_idx[bad].reshape(-1).tolist()))
-        shown = ", ".join(map(str, values[:4])) + (f" (and {len(values) - 4} more)" if len(values) > 4 else "")
-        raise CheckpointError(f"{step.g_idx_source}: g_idx holds {shown}, but act-order group indices run "
-                              f"0..{step.groups - 1} ({step.in_features} inputs / group_size {step.group} = "
-                              f"{step.groups} groups); the checkpoint is damaged: export it again")
+    index another row of the scales (negative: from the end) or past them. Fused parts share their input and a
+    fused param holds one g_idx (as in vLLM): a later part's must equal the first's. Returns the first's."""
+    for source, part in zip(step.g_idx_sources, g_idx):
+        bad = (part < 0) | (part >= step.groups)
+        if bool(bad.any()):
+            values = sorted(set(part[bad].reshape(-1).tolist()))
+            shown = ", ".join(map(str, values[:4])) + (f" (and {len(values) - 4} more)" if len(values) > 4 else "")
+            raise CheckpointError(f"{source}: g_idx holds {shown}, but act-order group indices run "
+                                  f"0..{step.groups - 1} ({step.in_features} inputs / group_size {step.group} = "
+                                  f"{step.groups} groups); the checkpoint is damaged: export it again")
+    for source, part in zip(step.g_idx_sources[1:], g_idx[1:]):
+        if not torch.equal(part, g_idx[0]):
+            at = int((part != g_idx[0]).reshape(-1).nonzero()[0])
+            raise CheckpointError(f"{source}: g_idx differs from {step.g_idx_sources[0]}'s (input {at}: "
+                                  f"{int(part.reshape(-1)[at])} vs {int(g_idx[0].reshape(-1)[at])}); the fused "
+                                  f"{step.outputs[0].rsplit('.', 1)[0]} has one g_idx for all its parts, as in vLLM: "
+                                  "parts with their own act order cannot be fused (export them with one)")
+    return g_idx[0]
 
 
-def _check_op(step, finals, g_idx):
-    check_g_idx(step, g_idx)
-    return (g_idx,)
+def _check_op(step, finals, *g_idx):
+    return (check_g_idx(step, *g_idx),)
 
 
 def _matrix(step, t: dict, dtype):
-    g_idx = t.get("g_idx") if step.use_g_idx else None
-    if g_idx is not None:
-        check_g_idx(step, g_idx)
+    g_idx = None
+    if step.use_g_idx and "g_idx" in t:
+        g_idx = check_g_idx(step, *(t[s] for s in step.suffixes if s.startswith("g_idx")))
     return kernels.dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=step.group or -1,
                                    dtype=dtype)
 
@@ -96,16 +108,18 @@ class Gptq(PackedFormat):
                             **self._g_idx_fields(tensors, target, index))
 
     def check_steps(self, weight, tensors, target, index) -> list:
-        """Served packed: with act-order, its g_idx checked as it lands (what --dequantize checks in its step)."""
-        g_idx = [p for p in tensors if p.suffix == "g_idx"]
+        """Served packed: with act-order, its g_idx (each part's) checked as it lands (what --dequantize checks in
+        its step)."""
+        g_idx = [p.name for p in tensors if p.suffix.startswith("g_idx")]
         if not self.desc_act or not g_idx:
             return []
-        return [GptqStep("check_gptq_g_idx", (g_idx[0].name,), (g_idx[0].name,), group=self.group,
+        return [GptqStep("check_gptq_g_idx", tuple(g_idx), g_idx[:1], group=self.group,
                          **self._g_idx_fields(tensors, target, index))]
 
     def _g_idx_fields(self, tensors, target, index) -> dict:
-        g_idx = next((p for p in tensors if p.suffix == "g_idx"), None)
-        if g_idx is None or not self.desc_act:
+        g_idx = [p for p in tensors if p.suffix.startswith("g_idx")]
+        if not g_idx or not self.desc_act:
             return {}
-        in_f = index[g_idx.sources[0]].shape[-1]
-        return dict(g_idx_source=g_idx.sources[0], in_features=in_f, groups=-(-in_f // (self.group or in_f)))
+        in_f = index[g_idx[0].sources[0]].shape[-1]
+        return dict(g_idx_sources=tuple(p.sources[0] for p in g_idx), in_features=in_f,
+                    groups=-(-in_f // (self.group or in_f)))

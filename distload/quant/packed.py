@@ -95,6 +95,9 @@ class PackedFormat(Format):
                     continue  # this rank hosts no expert: nothing to rewrite
                 if not self.dequantize:
                     steps[r] += self.check_steps(weight, tensors, targets[weight], view.index)
+                    for p in tensors:
+                        if p.check_only:   # staged for the check step only
+                            del final[r][p.name]
                     continue
                 for p in tensors:
                     del final[r][p.name]

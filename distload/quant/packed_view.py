@@ -19,6 +19,7 @@ from ..plan.shard import view2d
 from ..rules import names
 from .companions import Companion, with_suffix
 from .packed_table import IN, ONE, OUT, Cut, expected_view
+from .steps import part_of
 
 
 LOGICAL = "{}[logical]"   # a logical weight's name where a packed tensor keeps the name X.weight (NVFP4)
@@ -112,8 +113,23 @@ def _packed_of(t, logical, tensors: dict, scheme, shapes: dict) -> list[Companio
         for s, n in zip(t.sources, names_):
             if n in tensors:
                 _check_tensor(tensors[n], cut, shapes[s], scheme, t.name)
+        if shared_input and not cut.optional:
+            out += _each_part(t, logical, suffix, pairs, cut)
+            continue
         out.append(Companion(with_suffix(t.name, suffix), t.name, suffix, pairs, cut))
     return out
+
+
+def _each_part(t, logical, suffix: str, pairs: tuple, cut: Cut) -> list[Companion]:
+    """A tensor of the layer input that the format needs (GPTQ act-order g_idx): the first part's is the param's;
+    each later part's is read too, into a staging-only companion (suffix `<suffix>.part<k>`), so that the format's
+    step checks its values (an up_proj g_idx out of range would otherwise be claimed and never read)."""
+    part = part_of(logical)
+    by_part: dict[int, list] = {}
+    for v, n in pairs:
+        by_part.setdefault(part[v], []).append((v, n))
+    named = [(suffix + (f".part{k}" if k else ""), tuple(ps)) for k, ps in sorted(by_part.items())]
+    return [Companion(with_suffix(t.name, sfx), t.name, sfx, ps, cut, check_only=sfx != suffix) for sfx, ps in named]
 
 
 def _check_tensor(entry, cut: Cut, shape: tuple[int, int], scheme, target: str) -> None:

@@ -245,10 +245,11 @@ def _announce(rank: int, src: int, version: int | None, tensors: dict):
 
 
 def update_plan(meta: dict, hf_config: dict, family, layout, staging: int, quantize, dequantize, partial: bool):
-    """The plan of a load of a checkpoint holding the update's tensors, the source its one reader."""
+    """The plan of a load of a checkpoint holding the update's tensors, the source its one reader. The config is
+    the serving job's, checked at its load: an update of some layers is not a config that overstates them."""
     index = {n: TensorEntry(n, n, dtype, shape, 0, math.prod(shape) * itemsize(dtype)) for n, (dtype, shape) in meta.items()}
     plan = build_plan(index, hf_config, family, layout, strict=False, staging_bytes=staging,
-                      quantization=for_load(hf_config, quantize, dequantize))
+                      quantization=for_load(hf_config, quantize, dequantize), config_checked=True)
     if plan.unexpected:
         raise PlanError(f"refit refused before any byte moved: the rules ({family.source}) place no param for "
                         f"{names.describe(plan.unexpected)}; send checkpoint (Hugging Face) names")
@@ -256,4 +257,9 @@ def update_plan(meta: dict, hf_config: dict, family, layout, staging: int, quant
         raise PlanError(f"refit refused before any byte moved: the update lacks {len(plan.missing)} tensor(s) "
                         f"{names.describe(plan.missing)}; send them all, or pass partial=True to update only the "
                         f"params whose tensors are all present")
+    if plan.incomplete:   # a partial update: a fused param cannot be written from some of its parts
+        shown = "; ".join(f"{param} from {names.describe(sent)} without {names.describe(lacking)}"
+                          for param, sent, lacking in plan.incomplete[:4])
+        raise PlanError(f"refit refused before any byte moved: the update holds only part of {len(plan.incomplete)} "
+                        f"fused param(s): {shown}; send all parts of a fused param (or none of them)")
     return replace(plan, missing=())  # with partial=True the params not in this update keep their values

@@ -45,13 +45,31 @@ def test_act_order_g_idx_is_checked_as_it_lands_served_packed_or_dequantized(deq
     op = "dequantize_gptq" if dequantize else "check_gptq_g_idx"
     steps = {s.outputs[0]: s for s in plan.post[1] if s.op == op}
     step = steps[L0 + ("mlp.down_proj.weight" if dequantize else "mlp.down_proj.g_idx")]
-    assert (step.g_idx_source, step.groups, step.in_features, step.group) == (L0 + "mlp.down_proj.g_idx", 8, 128, 16)
+    assert (step.g_idx_sources, step.groups, step.in_features, step.group) == ((L0 + "mlp.down_proj.g_idx",), 8, 128, 16)
     fused = steps[L0 + ("mlp.gate_up_proj.weight" if dequantize else "mlp.gate_up_proj.g_idx")]
-    assert fused.g_idx_source == L0 + "mlp.gate_proj.g_idx" and fused.groups == 4   # the first part's g_idx
+    # each part's g_idx is read and checked; the first part's is the param's, the up's is staged for the check only
+    assert fused.g_idx_sources == (L0 + "mlp.gate_proj.g_idx", L0 + "mlp.up_proj.g_idx") and fused.groups == 4
+    assert L0 + "mlp.gate_up_proj.g_idx.part1" in fused.inputs
+    assert L0 + "mlp.gate_up_proj.g_idx.part1" in plan.staging[1]
+    assert not any(".part" in n for n in plan.specs[1])
+
+
+def test_a_fused_parts_g_idx_is_checked_by_its_own_name_and_must_equal_the_first():
+    step = GptqStep("check_gptq_g_idx", ("g", "g1"), ("g",), group=16, groups=4, in_features=64,
+                    g_idx_sources=(L0 + "mlp.gate_proj.g_idx", L0 + "mlp.up_proj.g_idx"))
+    good = torch.arange(64, dtype=torch.int32) // 16
+    assert torch.equal(check_g_idx(step, good, good.clone()), good)
+    bad = good.clone()
+    bad[9] = 4
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.0\.mlp\.up_proj\.g_idx: g_idx holds 4, .* run 0\.\.3"):
+        check_g_idx(step, good, bad)
+    other = good.flip(0)
+    with pytest.raises(CheckpointError, match=r"up_proj\.g_idx: g_idx differs from .*gate_proj\.g_idx's \(input 0: 3 vs 0\)"):
+        check_g_idx(step, good, other)
 
 
 def test_act_order_g_idx_out_of_its_groups_is_refused_naming_tensor_value_and_range():
-    step = GptqStep("check_gptq_g_idx", ("g",), ("g",), group=16, g_idx_source=L0 + "mlp.down_proj.g_idx",
+    step = GptqStep("check_gptq_g_idx", ("g",), ("g",), group=16, g_idx_sources=(L0 + "mlp.down_proj.g_idx",),
                     groups=8, in_features=128)
     check_g_idx(step, torch.arange(128, dtype=torch.int32) // 16)
     for value in (-1, 8, 1000):

@@ -397,6 +397,7 @@ def _refit_cases(ckpt: str, changed: str) -> dict:
     refusals["dtype"] = push(changed_tensors(**{"model.norm.weight": half}))
     refusals["unknown"] = push(changed_tensors(**{"model.layers.0.mlp.extra.weight": half}))
     refusals["missing"] = push(changed_tensors(**{"lm_head.weight": None}))
+    refusals["fused part"] = push(changed_tensors(**{"model.layers.1.mlp.up_proj.weight": None}), partial=True)
     refusals["version"] = push(changed_tensors(), version=1)
     result.version = 5 if rank == 1 else 1   # rank 1 as if it had taken an update the others missed
     refusals["versions differ"] = push(changed_tensors())
@@ -415,7 +416,29 @@ def _refit_cases(ckpt: str, changed: str) -> dict:
     plain = {n: torch.zeros_like(t) for n, t in result.params.items()}
     done = distload.refit(plain, checkpoint_tensors(ckpt) if rank == src else None, src=src, config=ckpt, tp=2, version=7)
     problems += differences(plain, {n: t for n, t in _oracle(ckpt, rank, 2).items()}, f"refit into a dict rank{rank}")
+    problems += _refit_one_layer(plain, changed, ckpt, rank, src)
     return {"problems": problems, "refusals": refusals, "version": done.version, "report": done.report}
+
+
+def _refit_one_layer(params: dict, changed: str, ckpt: str, rank: int, src: int) -> list[str]:
+    """A partial refit of exactly layer 1's tensors from `changed` into `params` (a load of `ckpt`): layer 1 is
+    then a fresh load of `changed`'s, every other param bitwise what it was."""
+    import distload
+    from hf_models import checkpoint_tensors
+
+    layer = "model.layers.1."
+    before = {n: t.clone() for n, t in params.items()}
+    sent = {n: t for n, t in checkpoint_tensors(changed).items() if n.startswith(layer)} if rank == src else None
+    distload.refit(params, sent, src=src, config=ckpt, tp=2, partial=True)
+    fresh = _oracle(changed, rank, 2)
+    mine = sorted(n for n in fresh if n.startswith(layer))
+    problems = differences({n: t for n, t in params.items() if n.startswith(layer)}, {n: fresh[n] for n in mine},
+                           f"layer refit rank{rank}")
+    if all(torch.equal(fresh[n], before[n]) for n in mine):
+        problems.append(f"rank {rank}: the changed checkpoint's layer 1 equals the original's: nothing was tested")
+    problems += [f"rank {rank}: {n} changed by a refit of layer 1 only" for n, t in params.items()
+                 if not n.startswith(layer) and not torch.equal(t, before[n])]
+    return problems
 
 
 def test_refit(dense_checkpoints, tmp_path):
@@ -429,6 +452,8 @@ def test_refit(dense_checkpoints, tmp_path):
                         "dtype": ["model.norm.weight", "BF16", "F32"],
                         "unknown": ["model.layers.0.mlp.extra.weight"],
                         "missing": ["lm_head.weight", "partial=True"],
+                        "fused part": ["model.layers.1.mlp.gate_up_proj.weight", "from 'model.layers.1.mlp.gate_proj",
+                                       "without 'model.layers.1.mlp.up_proj", "send all parts of a fused param"],
                         "version": ["version 1", "not newer"]}.items():
         messages = {r["refusals"][case] for r in results}
         assert len(messages) == 1, (case, messages)  # the same refusal on every rank

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import quant4_checkpoints as q4
+from fp8_checkpoints import skew_parts
 from distload.checkpoint import discover
 from distload.errors import PlanError
 from distload.plan import build_plan
@@ -44,8 +45,11 @@ def checkpoints(tmp_path_factory):
     wide = save_checkpoint("llama", root / "llama-wide", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
                            max_shard_size="1MB")
     moe = save_checkpoint("qwen3_moe", root / "qwen3-moe", dtype=torch.bfloat16)
+    # up 1/4 of gate, k 4x q: fused parts whose NVFP4 global scales (weight_scale_2) differ
+    skewed = skew_parts(save_checkpoint("llama", root / "llama-skewed", dtype=torch.bfloat16))
     return {"llama": llama, **{fmt: q4.packed_checkpoint(wide if fmt.startswith("bnb") else llama, root / fmt, fmt)
                                for fmt in FORMATS},
+            "nvfp4-skewed": q4.packed_checkpoint(skewed, root / "nvfp4-skewed", "nvfp4"),
             **{f"moe-{fmt}": q4.packed_checkpoint(moe, root / f"moe-{fmt}", fmt) for fmt in MOE_FORMATS}}
 
 
@@ -295,7 +299,7 @@ def test_moe_experts_cut_exact_at_tp_and_ep(checkpoints, fmt):
         deq = build_plan(index.tensors, index.config, rules_for(index.config), layout,
                          quantization=for_load(index.config, dequantize=True))
         for rank in range(tp):
-            got = _assemble(plan, ckpt, rank)
+            got = {n: t for n, t in _assemble(plan, ckpt, rank).items() if n in plan.specs[rank]}  # not check-only
             want = _expected_packed(ckpt, config, fmt, rank, tp, ep)
             assert {n for n in got if "experts.w" in n} == {n for n in want if "experts.w" in n}
             for name, w in want.items():
@@ -308,7 +312,8 @@ def test_moe_experts_cut_exact_at_tp_and_ep(checkpoints, fmt):
                 assert torch.equal(w, oracle[step.outputs[0]].to(torch.bfloat16)), (fmt, tp, ep, rank, step.outputs)
 
 
-LOAD_CASES = [(fmt, fmt, 1) for fmt in FORMATS] + [("moe-awq ep2", "awq", 2), ("moe-nvfp4 ep2", "nvfp4", 2)]
+LOAD_CASES = ([(fmt, fmt, 1) for fmt in FORMATS] + [("nvfp4-skewed", "nvfp4", 1)]
+              + [("moe-awq ep2", "awq", 2), ("moe-nvfp4 ep2", "nvfp4", 2)])
 SERVING_PACKED = SERVING_LINEARS + ("mlp.experts.w",)
 
 
@@ -347,13 +352,26 @@ def _load_formats(paths: dict) -> dict:
     rank, tp = dist.get_rank(), dist.get_world_size()
     problems = []
     for case, fmt, ep in LOAD_CASES:
-        path = paths[f"moe-{fmt}" if case.startswith("moe") else fmt]
+        path = paths[f"moe-{fmt}" if case.startswith("moe") else case]
         problems += [f"{case} rank {rank}: {p}" for p in _load_case(path, fmt, ep, rank, tp)]
     return {"problems": problems}
 
 
+def test_skewed_nvfp4_parts_have_their_own_global_scales(checkpoints):
+    """What the nvfp4-skewed load case stands on: gate and up (fused into gate_up_proj) scaled far apart."""
+    from hf_models import checkpoint_tensors
+
+    ckpt = checkpoint_tensors(checkpoints["nvfp4-skewed"])
+    for i in range(2):
+        a = f"model.layers.{i}.mlp."
+        gate, up = (float(ckpt[a + p + "_proj.weight_scale_2"]) for p in ("gate", "up"))
+        assert gate >= 3 * up, (i, gate, up)
+
+
 def test_packed_4bit_loads_at_tp2(checkpoints):
-    """Every format at tp 2 (and two MoE ones at ep 2) through distload.load on gloo ranks."""
+    """Every format at tp 2 (and two MoE ones at ep 2) through distload.load on gloo ranks; NVFP4 also with gate
+    and up at global scales 4x apart: packed, each part's weight_scale_2 carried in part order; dequantized, each
+    part's rows its own reference dequantization."""
     results = run_ranks(2, _load_formats, {k: str(v) for k, v in checkpoints.items()})
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems[:40])

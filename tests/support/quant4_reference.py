@@ -39,9 +39,9 @@ def _nibble(words: np.ndarray, k) -> np.ndarray:
     return (words.astype(np.int64) & 0xFFFFFFFF) >> (4 * np.asarray(k)) & 15
 
 
-def _few_bits(x: np.ndarray, bits: int = 8) -> np.ndarray:
-    """x rounded to `bits` significant bits (positive, kept away from zero)."""
-    m, e = np.frexp(np.maximum(x, 1e-3))
+def _few_bits(x: np.ndarray, bits: int = 8, floor: float = 1e-3) -> np.ndarray:
+    """x rounded to `bits` significant bits (positive, kept away from zero: at least `floor`)."""
+    m, e = np.frexp(np.maximum(x, floor))
     return np.ldexp(np.ceil(m * 2 ** bits) / 2 ** bits, e)
 
 
@@ -167,7 +167,9 @@ def fp8_e4m3_values() -> np.ndarray:
 
 def nvfp4_quantize(w: np.ndarray) -> dict:
     out_f, in_f = w.shape
-    scale_2 = float(_few_bits(np.array(np.abs(w).max() / (6 * 448)), 12))
+    # ModelOpt's global scale, amax / (6 * 448): a tiny model's (amax ~0.1) is far below the int4 scales' floor,
+    # which would give every part the same one
+    scale_2 = float(_few_bits(np.array(np.abs(w).max() / (6 * 448)), 12, floor=1e-12))
     blocks = np.abs(w).reshape(out_f, in_f // 16, 16).max(-1) / 6 / scale_2
     e4m3 = fp8_e4m3_values()
     scale = e4m3[np.abs(blocks[..., None] - e4m3).argmin(-1)]

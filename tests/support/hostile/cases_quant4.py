@@ -95,6 +95,7 @@ def _kv_heads_string(ckpt, ws):
 
 
 GIDX = DOWN + "g_idx"
+UP_GIDX = UP + "g_idx"   # a part of the fused gate_up_proj: its own g_idx, over hidden 64 = 4 groups of 16
 SCALE_2 = DOWN + "weight_scale_2"
 
 CASES = [
@@ -105,6 +106,14 @@ CASES = [
          names=(GIDX, "8", "0..7")),
     Case("gptq-g-idx-past-last", _case("gptq-act", _set(GIDX, _at(3, 9))), base=BASE,
          names=(GIDX, "9", "0..7")),
+    Case("gptq-g-idx-up-past-last", _case("gptq-act", _set(UP_GIDX, _at(9, 4))), base=BASE,
+         names=(UP_GIDX, "4", "0..3")),
+    Case("gptq-g-idx-up-past-last-dequantize", _case("gptq-act", _set(UP_GIDX, _at(40, 4)), dequantize=True),
+         base=BASE, names=(UP_GIDX, "4", "0..3")),
+    Case("gptq-g-idx-up-negative", _case("gptq-act", _set(UP_GIDX, _at(63, -2))), base=BASE,
+         names=(UP_GIDX, "-2", "0..3")),
+    Case("gptq-g-idx-up-negative-dequantize", _case("gptq-act", _set(UP_GIDX, _at(0, -1)), dequantize=True),
+         base=BASE, names=(UP_GIDX, "-1", "0..3")),
     Case("gptq-g-idx-o-proj-tp1", _case("gptq-act", _set(O_PROJ + "g_idx", _at(0, 1000)), "--tp", "1"),
          base=BASE, names=(O_PROJ + "g_idx", "1000", "0..3")),
     Case("gptq-group-size-48", _case("gptq", _gptq_group(48)), base=BASE, names=("group_size", "48", "64")),
@@ -116,7 +125,8 @@ CASES = [
     Case("nvfp4-scale-2-bf16", _case("nvfp4", _set(SCALE_2, lambda t: t.to(torch.bfloat16))), base=BASE,
          names=(SCALE_2, "BF16", "F32")),
     Case("nvfp4-scale-2-vector-1", _case("nvfp4", _set(SCALE_2, lambda t: t.reshape(1))), base=BASE, expect="ok"),
-    # loads only: the reference quantizer gave these tiny parts equal global scales (values not compared here)
+    # loads only (a case compares no values): tests/ranks/test_quant4.py's nvfp4-skewed load compares these parts'
+    # values, their global scales 4x apart, packed and dequantized, with the reference's
     Case("nvfp4-gate-up-own-scales-dequantize", _case("nvfp4", _nothing, dequantize=True, skew=True), base=BASE,
          expect="ok"),
     Case("nvfp4-gate-up-own-scales", _case("nvfp4", _nothing, skew=True), base=BASE, expect="ok"),
