@@ -17,6 +17,8 @@ from ..errors import PlanError
 from ..plan import DEFAULT_STAGING_BYTES
 from ..plan.shard import view2d
 from ..postprocess import PostProcess
+from ..transfer.buffers import TransferStats
+from ..transfer.pieces import zero_padding
 from .one_source import mismatches, update_plan
 from .routes import message_order, serving_routes
 
@@ -80,6 +82,8 @@ class ServingSide:
                 raise RuntimeError(f"receiving from trainer rank {t}: {exc}") from exc
             received += size
             _scatter(wire, msg, into)
+        # Padding rows (vocab beyond the real one) as a load leaves them: an engine's receive buffers hold garbage.
+        zero_padding(into, self.plan.staging_specs(self.rank), TransferStats())
         if post is not None:
             post.finish({})
         report.update(bytes_received=received, own_shard_bytes=self.own_shard_bytes(),

@@ -54,7 +54,7 @@ def test_fsdp2_on_4_ranks_refits_tp2_serving_exactly(tmp_path):
 
 def test_trainer_layouts_refit_serving_layouts_exactly(tmp_path):
     """One 4-rank trainer job and one 4-rank serving job, every case in sequence: FSDP2 -> tp 4 (tied MQA Llama,
-    in place); DDP on 2 ranks -> tp 2 x pp 2 (each stage receives only its layers); FSDP2 + TP 2 (dp 2 x tp 2,
+    in place, into params whose vocab padding rows hold NaN, as an engine's receive buffers do); DDP on 2 ranks -> tp 2 x pp 2 (each stage receives only its layers); FSDP2 + TP 2 (dp 2 x tp 2,
     _StridedShard placements, the vocab split unevenly) -> tp 4; Qwen3-MoE FSDP2 (stacked experts, one per
     trainer rank) -> tp 2 ep 2, each serving rank receiving only its experts; a BF16 FSDP2 trainer -> tp 4
     quantized to FP8 blocks on the receiving ranks, bitwise a fresh load with the same quantize; the same trainer ->
@@ -67,7 +67,7 @@ def test_trainer_layouts_refit_serving_layouts_exactly(tmp_path):
                       save_checkpoint(family, tmp_path / f"{key}-new", seed=1, dtype=dtype))
     cases = [
         {"name": "fsdp_tied_tp4_in_place", "ckpt": "llama_mqa_tied-float32", "trainer": "fsdp", "trainers": 4,
-         "serving": {"tp": 4}, "staged": False},
+         "serving": {"tp": 4}, "staged": False, "garbage_padding": True},
         {"name": "ddp_tp2_pp2", "ckpt": "llama-float32", "trainer": "ddp", "trainers": 2,
          "serving": {"tp": 2, "pp": 2}},
         {"name": "fsdp_tp2_tp4", "ckpt": "llama-float32", "trainer": "fsdp_tp", "trainers": 4, "serving": {"tp": 4}},

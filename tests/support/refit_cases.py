@@ -4,7 +4,8 @@ launch (torchrun costs ~5 s to start). Run by tests/jobs/test_refit_link.py:
     torchrun --nproc-per-node 4 tests/support/refit_cases.py --role trainer|serving --cases CASES.json --out DIR
 
 CASES.json: a list of {"name", "old", "new" (checkpoint dirs), "trainer": fsdp | fsdp_tp | ddp | dtensor_rows,
-"trainers": ranks taking part, "serving": load options (tp, pp, ep, quantize), "port", "dtype"}. The trainer
+"trainers": ranks taking part, "serving": load options (tp, pp, ep, quantize), "port", "dtype", and optionally
+"staged" (false: in place) and "garbage_padding" (the loaded padding rows set to NaN before the refit)}. The trainer
 holds the new checkpoint's weights sharded as asked and sends them twice (the second step replays the plan)
 and writes DIR/NAME.trainer.R.json (reports, and per serving rank the experts it sent bytes of); each serving
 rank loads the old checkpoint, receives, then compares its params with a fresh distload.load of the new
@@ -108,6 +109,12 @@ def experts_in(messages: list, held: dict) -> list[int]:
 def run_serving(case: dict, rank: int) -> None:
     options = case["serving"]
     result = distload.load(case["old"], **options)
+    if case.get("garbage_padding"):   # as an engine's receive buffers: padding rows must come out zero anyway
+        from distload.transfer.buffers import typed2d
+
+        for name, spec in result.specs.items():
+            for r0, r1, c0, c1 in spec.padding if not spec.alias_of else ():
+                typed2d(result.params[name])[r0:r1, c0:c1].fill_(float("nan"))
     link = distload.join_refit(f"tcp://127.0.0.1:{case['port']}", role="serving", target=result,
                                staged=case.get("staged", True), timeout=60)
     reports = [link.receive().report for _ in range(2)]
