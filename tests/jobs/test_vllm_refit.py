@@ -73,7 +73,8 @@ def refit_case(tmp_path_factory) -> dict:
          "--tokens"], timeout=900)
     expected = json.loads((base / "fresh.json").read_text())["tokens"]
     assert len(expected) == 16
-    return {"old": old, "new": base / "new", "expected": expected}
+    state = [r["processed"] for r in json.loads((base / "fresh.json").read_text())["ranks"]]
+    return {"old": old, "new": base / "new", "expected": expected, "state": state}
 
 
 def trainer_job(old: Path, new: Path, *mode: str) -> None:
@@ -90,6 +91,14 @@ def test_trainer_job_refits_a_running_instance(refit_case, tmp_path):
     refit = json.loads((tmp_path / "tokens.json").read_text())
     assert refit["after"] == refit_case["expected"]
     assert refit["before"] != refit_case["expected"], "the new weights generate what the old did: the test shows nothing"
+    # vLLM's state (post-processed, per worker) after the refit is a fresh vLLM load's of the new checkpoint
+    fresh = refit_case["state"]
+    assert len(fresh) == len(refit["state_after"]) == 2
+    for worker, (got, want) in enumerate(zip(refit["state_after"], fresh)):
+        assert got.keys() == want.keys(), (worker, sorted(got.keys() ^ want.keys())[:5])
+        differ = sorted(n for n in want if got[n] != want[n])
+        assert not differ, f"worker {worker}: {len(differ)} tensor(s) differ from a fresh load, e.g. {differ[:5]}"
+        assert any(refit["state_before"][worker][n] != want[n] for n in want), "the refit changed no tensor"
 
 
 @needs_vllm

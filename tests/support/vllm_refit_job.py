@@ -7,7 +7,8 @@ vLLM's OpenAI server at URL (--server) through vLLM's own HTTP client and the se
     torchrun --nproc-per-node 2 tests/support/vllm_refit_job.py OLD_CKPT NEW_CKPT_DIR ADDRESS --server URL
 
 Rank 0 saves the trainer's new weights (every param moved by a seeded step: trained_model) as a checkpoint in
-NEW_CKPT_DIR, and with --tokens writes the instance's greedy tokens before and after the refit to OUT.json.
+NEW_CKPT_DIR, and with --tokens writes the instance's greedy tokens, and every worker's state digests
+(vllm_probe.StateProbe: its state dict after vLLM's post-processing), before and after the refit to OUT.json.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ def start_instance(ckpt: str):
 
     return LLM(ckpt, tensor_parallel_size=2, dtype="bfloat16", enforce_eager=True, max_model_len=128,
                distributed_executor_backend="mp", skip_tokenizer_init=True, load_format="distload",
-               weight_transfer_config={"backend": "distload"})
+               weight_transfer_config={"backend": "distload"}, worker_extension_cls="vllm_probe.StateProbe")
+
+
+def states(llm) -> list[dict]:
+    """Every worker's digests of its model's state dict (after vLLM's post-processing)."""
+    return [r["processed"] for r in llm.collective_rpc("distload_probe_state")]
 
 
 def greedy(llm) -> list[int]:
@@ -79,7 +85,7 @@ def main() -> None:
 
     rank = int(os.environ["RANK"])
     llm = start_instance(args.old) if rank == 0 and args.tokens else None
-    result = {"before": greedy(llm)} if llm is not None else {}
+    result = {"before": greedy(llm), "state_before": states(llm)} if llm is not None else {}
     dist.init_process_group("gloo")
     model = trained_model(args.old)
     if rank == 0:
@@ -99,6 +105,7 @@ def main() -> None:
     engine.send_weights()
     if llm is not None:
         result["after"] = greedy(llm)
+        result["state_after"] = states(llm)
         Path(args.tokens).write_text(json.dumps(result))
     engine.shutdown()
     if rank == 0 and args.server:
